@@ -1,0 +1,200 @@
+"""Configuration: frozen, keyword-only dataclasses validated on construction.
+
+    MoEConfig(
+        gate=GateConfig(num_experts=8, top_k=2, capacity_factor=1.25),
+        experts=ExpertConfig(model_dim=512, hidden_dim=2048, activation="gelu"),
+        schedule=ScheduleConfig(policy="schemoe", chunks=2),
+        collective=CollectiveConfig(algorithm="pipe"),
+        compression=CompressionConfig(forward="fp16"),
+    )
+
+Names of plug-ins (policy, algorithm, compressors) are checked against their registries when the
+layer is built, so a plug-in registered after the config is made still works; unknown names raise
+ValueError listing the known ones there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "GateConfig",
+    "ExpertConfig",
+    "ParallelConfig",
+    "ScheduleConfig",
+    "CollectiveConfig",
+    "CompressionConfig",
+    "MoEConfig",
+]
+
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+PRIORITIES = ("position", "score")
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _int(name: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    _need(v >= lo, f"{name} must be >= {lo}, got {v}")
+
+
+def _num(name: str, v: Any, lo: float) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+    _need(v == v and v >= lo, f"{name} must be >= {lo}, got {v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateConfig:
+    """Router settings.
+
+    Attributes:
+        num_experts: E, experts in the layer (all ranks together).
+        top_k: k, experts per token, 1 <= k <= E.
+        capacity_factor: f; capacity C = ceil(f * k * T / E) rows per expert per rank, tokens past
+            C are dropped. f = 0 means dropless: every token is kept and splits vary per call.
+        renormalize: rescale each token's k weights to sum to 1.
+        noise_std: std of Gaussian noise added to the router logits, in training only.
+        priority: which tokens keep their slot when an expert overflows: "position" (earlier
+            tokens first) or "score" (batch-prioritised routing: higher top-1 score first).
+        aux_loss_weight: weight of the load-balancing loss (GShard/Switch form).
+        z_loss_weight: weight of the router z-loss (ST-MoE).
+        bias_update_rate: > 0 enables the aux-loss-free expert bias (DeepSeek-V3): a per-expert
+            bias added to the scores for expert selection only, nudged by this rate towards
+            balance each time `MoELayer.update_expert_bias()` is called.
+    """
+
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    renormalize: bool = True
+    noise_std: float = 0.0
+    priority: str = "position"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        _int("num_experts", self.num_experts, 1)
+        _int("top_k", self.top_k, 1)
+        _need(
+            self.top_k <= self.num_experts,
+            f"top_k={self.top_k} must be <= num_experts={self.num_experts}",
+        )
+        _num("capacity_factor", self.capacity_factor, 0.0)
+        _num("noise_std", self.noise_std, 0.0)
+        _need(self.priority in PRIORITIES, f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+        _num("aux_loss_weight", self.aux_loss_weight, 0.0)
+        _num("z_loss_weight", self.z_loss_weight, 0.0)
+        _num("bias_update_rate", self.bias_update_rate, 0.0)
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertConfig:
+    """The built-in expert FFN: y = W2 act(W1 x) (swiglu: W2 (silu(W1 x) * W3 x))."""
+
+    model_dim: int
+    hidden_dim: int
+    activation: str = "gelu"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _int("model_dim", self.model_dim, 1)
+        _int("hidden_dim", self.hidden_dim, 1)
+        _need(
+            self.activation in ACTIVATIONS,
+            f"activation must be one of {ACTIVATIONS}, got {self.activation!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Expert-parallel layout. ranks_per_node overrides the launcher's LOCAL_WORLD_SIZE, so tests
+    can treat 4 local ranks as 2 nodes x 2."""
+
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node is not None:
+            _int("ranks_per_node", self.ranks_per_node, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Task scheduling: the policy that orders the tasks and r, the number of chunks."""
+
+    policy: str = "sequential"
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.policy, str) and bool(self.policy), f"policy must be a name, got {self.policy!r}")
+        _int("chunks", self.chunks, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveConfig:
+    """The all-to-all algorithm and how long a transfer may take before it raises."""
+
+    algorithm: str = "naive"
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _need(
+            isinstance(self.algorithm, str) and bool(self.algorithm),
+            f"algorithm must be a name, got {self.algorithm!r}",
+        )
+        _num("timeout_s", self.timeout_s, 0.0)
+        _need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """Compressors for the all-to-all payloads, chosen separately for activations (forward) and
+    gradients (backward). options maps a compressor name to its keyword arguments, e.g.
+    {"zfp": {"rate": 4}}."""
+
+    forward: str = "none"
+    backward: str = "none"
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for n in ("forward", "backward"):
+            v = getattr(self, n)
+            _need(isinstance(v, str) and bool(v), f"compression.{n} must be a name, got {v!r}")
+        if not isinstance(self.options, Mapping):
+            raise TypeError(f"compression.options must be a mapping, got {self.options!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Everything that defines one MoE layer."""
+
+    gate: GateConfig
+    experts: ExpertConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+
+    def __post_init__(self) -> None:
+        for name, typ in (
+            ("gate", GateConfig),
+            ("experts", ExpertConfig),
+            ("parallel", ParallelConfig),
+            ("schedule", ScheduleConfig),
+            ("collective", CollectiveConfig),
+            ("compression", CompressionConfig),
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, typ):
+                raise TypeError(f"MoEConfig.{name} must be a {typ.__name__}, got {type(v).__name__}")

@@ -1,0 +1,90 @@
+"""Which ranks share a node, and the process groups the all-to-all algorithms need.
+
+The launcher's LOCAL_WORLD_SIZE (torchrun, or `schemoe._dist.spawn`) gives ranks per node;
+`ParallelConfig.ranks_per_node` overrides it so a test can treat 4 local ranks as 2 nodes x 2.
+Ranks are laid out node-major: rank = node * ranks_per_node + local_rank.
+
+Sub-groups are created once per (parent group, member ranks) and cached. `dist.new_group` is
+collective over the parent group, so every rank must ask for the same sub-groups in the same order;
+`node_groups()` and `peer_groups()` create all of their groups on every rank for that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Topology"]
+
+_SUBGROUPS: dict[tuple[Any, tuple[int, ...], str], Any] = {}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """nodes x ranks_per_node ranks of `group` (None = the default group)."""
+
+    world: int
+    rank: int
+    ranks_per_node: int
+    group: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.world % self.ranks_per_node:
+            raise ValueError(
+                f"ranks_per_node={self.ranks_per_node} must divide the world size {self.world}"
+            )
+
+    @classmethod
+    def from_group(cls, group: Any = None, ranks_per_node: int | None = None) -> Topology:
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        if ranks_per_node is None:
+            # Only launcher variables are read, never behaviour switches.
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            ranks_per_node = int(env) if env and world % int(env) == 0 else world
+        return cls(world=world, rank=rank, ranks_per_node=ranks_per_node, group=group)
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    def node_of(self, r: int) -> int:
+        return r // self.ranks_per_node
+
+    def same_node(self, r: int) -> bool:
+        return self.node_of(r) == self.node
+
+    def global_rank(self, r: int) -> int:
+        """Rank `r` of this topology's group as a rank of the default group."""
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def subgroup(self, ranks: tuple[int, ...], tag: str = "") -> Any:
+        """The cached process group of `ranks` (ranks of this topology's group). Collective.
+
+        Different tags give different communicators over the same ranks, so two transfers can
+        run at the same time (each process group has its own worker and ordering)."""
+        key = (self.group, tuple(ranks), tag)
+        if key not in _SUBGROUPS:
+            _SUBGROUPS[key] = dist.new_group([self.global_rank(r) for r in ranks])
+        return _SUBGROUPS[key]
+
+    def node_groups(self) -> list[Any]:
+        """One group per node (its local ranks); created on every rank in node order."""
+        rpn = self.ranks_per_node
+        return [self.subgroup(tuple(range(n * rpn, (n + 1) * rpn))) for n in range(self.nodes)]
+
+    def peer_groups(self) -> list[Any]:
+        """One group per local rank (the same-local-rank peers on every node)."""
+        rpn = self.ranks_per_node
+        return [self.subgroup(tuple(range(lr, self.world, rpn))) for lr in range(rpn)]
