@@ -12,6 +12,8 @@ __all__ = ["main"]
 # Modules that add sub-commands, in help order.
 COMMANDS = [
     "schemoe.train",
+    "schemoe.testbed.cli",
+    "schemoe.bench.cli",
 ]
 
 

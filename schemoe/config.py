@@ -143,18 +143,16 @@ class ScheduleConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveConfig:
-    """The all-to-all algorithm and how long a transfer may take before it raises."""
+    """The all-to-all algorithm. How long a transfer may take before it raises is the process
+    group's timeout (`init_process_group(timeout=...)`), which bounds every collective."""
 
     algorithm: str = "naive"
-    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _need(
             isinstance(self.algorithm, str) and bool(self.algorithm),
             f"algorithm must be a name, got {self.algorithm!r}",
         )
-        _num("timeout_s", self.timeout_s, 0.0)
-        _need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,25 @@
 """All-to-all algorithms: a registry of plug-ins (see base.py for the protocol)."""
 
 from .base import ALGORITHMS, AllToAll, Done, Pending, check_splits
+from .hier2d import Hier2D
+from .leader import Leader
 from .naive import Naive
+from .pairwise import Pairwise
+from .pipe import Pipe
 
-__all__ = ["ALGORITHMS", "AllToAll", "Pending", "Done", "check_splits", "Naive", "build"]
+__all__ = [
+    "ALGORITHMS",
+    "AllToAll",
+    "Done",
+    "Hier2D",
+    "Leader",
+    "Naive",
+    "Pairwise",
+    "Pending",
+    "Pipe",
+    "build",
+    "check_splits",
+]
 
 _BUILT: dict = {}
 

@@ -24,6 +24,9 @@ class Work:
         self._work.wait()
         return self._out
 
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
 
 @ALGORITHMS.register("naive")
 class Naive:

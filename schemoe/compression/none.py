@@ -1,4 +1,4 @@
-"""`none`: the payload goes as it is (bitwise exact, no copy)."""
+"""`none`: the payload goes as it is (bitwise exact, no copy; any dtype)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ __all__ = ["NoCompression"]
 
 @COMPRESSORS.register("none")
 class NoCompression:
+    """Identity: encode returns its input (aliased, not copied), decode casts only if asked."""
+
     name = "none"
     lossless = True
 
@@ -20,5 +22,5 @@ class NoCompression:
     def decode(self, b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
         return b if b.dtype == dtype else b.to(dtype)
 
-    def wire_bytes(self, rows: int, cols: int, itemsize: int = 4) -> int:
-        return rows * cols * itemsize
+    def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> int:
+        return rows * cols * dtype.itemsize

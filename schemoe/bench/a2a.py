@@ -1,0 +1,106 @@
+"""All-to-all time and bandwidth per algorithm over message sizes.
+
+`bytes` is what each rank sends in one all-to-all (its whole send buffer, self included), split
+evenly over the ranks. algbw_gbps = bytes x 8 / time (Gbit/s, per rank). On the testbed,
+link_fraction = the inter-node bytes each node sends / (time x link rate): 1.0 means the shaped
+link was busy the whole time. limit_ms is what no algorithm can beat by overlapping the two links:
+max(time of the intra-node pairs alone, time of the inter-node pairs alone), both measured with
+`naive` in the same interleaved run (the other link's splits set to zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+
+from ..collectives import ALGORITHMS, build
+from ..topology import Topology
+from . import timer
+
+__all__ = ["add_arguments", "validate", "bench", "parse_size"]
+
+_ROW = 256  # bytes per row: 64 fp32 values; sizes are rounded to whole rows per peer
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '4M' -> 4194304 (binary units), '1000' -> 1000."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMG]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m or int(m.group(1)) <= 0:
+        raise ValueError(f"size {text!r}: expected a positive integer with optional K, M or G")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algorithms", type=_csv, default=["naive"],
+                   help=f"comma-separated, from: {', '.join(ALGORITHMS.names())}")
+    p.add_argument("--sizes", type=lambda s: [parse_size(t) for t in _csv(s)],
+                   default=[2**16, 2**20, 2**23], help="bytes per rank, e.g. 64K,1M,8M")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)  # fmt: skip
+
+
+def validate(args: argparse.Namespace) -> None:
+    for name in args.algorithms:
+        ALGORITHMS.get(name)  # ValueError listing the known ones
+    if not args.algorithms or not args.sizes:
+        raise ValueError("need at least one algorithm and one size")
+
+
+def _splits(topo: Topology, rows: int, keep: str) -> list[int]:
+    """rows per peer, zeroed for the peers not on `keep` ("all", "intra" or "inter")."""
+    return [rows if keep == "all" or (keep == "intra") == topo.same_node(d) else 0
+            for d in range(topo.world)]  # fmt: skip
+
+
+def bench(args: argparse.Namespace, env) -> None:
+    topo = Topology.from_group(None, env.ranks_per_node)
+    algos = {name: build(name, topo) for name in args.algorithms}
+    naive = build("naive", topo)
+    inter_peers = topo.world - topo.ranks_per_node
+    rows_out, limits = [], []
+    for size in args.sizes:
+        per_peer = max(1, size // (_ROW * topo.world))
+        x = torch.randn(per_peer * topo.world, _ROW // 4)
+        nbytes = x.numel() * x.element_size()
+
+        def run(algo, keep="all", x=x, per_peer=per_peer):
+            s = _splits(topo, per_peer, keep)
+            return lambda: algo.start(x[: sum(s)], s, s).wait()
+
+        cands = {name: run(a) for name, a in algos.items()}
+        if topo.nodes > 1:
+            cands["naive[intra]"] = run(naive, "intra")
+            cands["naive[inter]"] = run(naive, "inter")
+        stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+        limit = None
+        if topo.nodes > 1:
+            limit = max(stats["naive[intra]"].median_ms, stats["naive[inter]"].median_ms)
+            limits.append({"bytes": nbytes, "limit_ms": limit,
+                           "intra_ms": stats["naive[intra]"].median_ms,
+                           "inter_ms": stats["naive[inter]"].median_ms})  # fmt: skip
+        # Inter-node bytes one node sends: each of its ranks, to every rank of the other nodes.
+        node_inter_bits = 8 * topo.ranks_per_node * inter_peers * per_peer * _ROW
+        for name in algos:
+            st = stats[name]
+            secs = st.median_ms / 1e3
+            frac = None
+            if env.link_rate_gbps and topo.nodes > 1:
+                frac = node_inter_bits / (secs * env.link_rate_gbps * 1e9)
+            rows_out.append({"algorithm": name, "bytes": nbytes, **st.row(),
+                             "algbw_gbps": nbytes * 8 / secs / 1e9, "link_fraction": frac,
+                             "limit_ms": limit})  # fmt: skip
+    config = {"algorithms": ",".join(args.algorithms), "warmup": args.warmup,
+              "repeats": args.repeats, "dtype": "float32", "row_bytes": _ROW}  # fmt: skip
+    head = timer.header("schemoe bench a2a", config, env.topology(topo.world), env.link())
+    cols = ["algorithm", "bytes", "median_ms", "p10_ms", "p90_ms", "algbw_gbps", "link_fraction",
+            "limit_ms"]  # fmt: skip
+    summary = {"results": rows_out, "link_rate_gbps": env.link_rate_gbps, "limits": limits,
+               "world_size": topo.world, "ranks_per_node": topo.ranks_per_node}  # fmt: skip
+    timer.report(head, rows_out, cols, summary)

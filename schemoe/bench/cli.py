@@ -1,0 +1,164 @@
+"""`schemoe bench a2a|layer|compress`, and where the ranks of a benchmark come from.
+
+A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env) -> None`
+(collective; it prints through `timer.report`). Its ranks come from one of three places:
+
+- already launched (torchrun, Slurm, `schemoe testbed run -- schemoe.cli bench ...`): the launcher
+  env (RANK, WORLD_SIZE, ...) is there, so this process is one rank and joins the group;
+- `--testbed --ranks-per-node K`: this process launches K ranks per node of the testbed that
+  `schemoe testbed up` started, each running `python -m schemoe.bench.cli <name> <args as JSON>`;
+- otherwise `--nproc P` local ranks on plain loopback, spawned by `schemoe._dist.spawn`.
+
+`schemoe bench compress` is single-process: `schemoe.bench.compress` provides `add_arguments` and
+`run(args) -> dict` (with a "results" list of rows), and this module prints header, table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from functools import partial
+
+__all__ = ["register", "BenchEnv"]
+
+_MULTI_RANK = {"a2a": "schemoe.bench.a2a", "layer": "schemoe.bench.layer"}
+
+
+@dataclass(frozen=True)
+class BenchEnv:
+    """Where a benchmark's ranks run: what the header says and the link rate for link fractions."""
+
+    ranks_per_node: int
+    testbed: object | None  # schemoe.testbed.Testbed, or None on plain loopback / a real cluster
+
+    @property
+    def link_rate_gbps(self) -> float | None:
+        return self.testbed.rate_bps / 1e9 if self.testbed else None
+
+    def topology(self, world: int) -> str:
+        where = "testbed namespaces" if self.testbed else "one host, loopback (unshaped)"
+        return f"{world // self.ranks_per_node} node(s) x {self.ranks_per_node} rank(s), {where}"
+
+    def link(self) -> str:
+        if self.testbed is None:
+            return "none shaped; intra and inter-node pairs both on loopback"
+        return self.testbed.describe() + " (tbf); intra-node pairs on the node's loopback"
+
+
+def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where the ranks run")
+    g.add_argument("--testbed", action="store_true", help="on the testbed `testbed up` started")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (testbed: required; loopback: splits --nproc into nodes)")
+    g.add_argument("--nproc", type=int, default=2, help="local ranks on loopback (no --testbed)")
+    g.add_argument("--timeout", type=float, default=600.0, help="give up after S seconds")
+
+
+def _rank(rank: int, world: int, name: str, opts: dict) -> None:
+    """One rank of benchmark `name` (also the entry point of testbed and spawned children)."""
+    import torch
+
+    torch.set_num_threads(1)  # the box's cores are shared by all ranks
+    args = argparse.Namespace(**opts)
+    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    testbed = None
+    if args.testbed:
+        from ..testbed import netns
+
+        testbed = netns.load()
+        if world != testbed.nodes * rpn:
+            raise ValueError(f"world size {world} != {testbed.nodes} testbed nodes x {rpn} ranks")
+    importlib.import_module(_MULTI_RANK[name]).bench(args, BenchEnv(rpn, testbed))
+
+
+def _joined(name: str, opts: dict) -> None:
+    """Run as a rank of a group whose launcher set RANK/WORLD_SIZE/MASTER_* (read only here)."""
+    import torch.distributed as dist
+
+    from .._dist import init_process_group
+
+    init_process_group("gloo", timeout_s=opts["timeout"])
+    try:
+        _rank(dist.get_rank(), dist.get_world_size(), name, opts)
+    finally:
+        dist.destroy_process_group()
+
+
+def _main(name: str, args: argparse.Namespace) -> int:
+    opts = {k: v for k, v in vars(args).items() if k != "func"}
+    mod = importlib.import_module(_MULTI_RANK[name])
+    mod.validate(args)  # bad names fail here, before any rank starts
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _joined(name, opts)
+        return 0
+    if args.testbed:
+        from ..testbed import launch, netns
+
+        if not args.ranks_per_node:
+            raise ValueError("--testbed needs --ranks-per-node K")
+        netns.load()  # a clear error if no testbed is up
+        child = ["-m", "schemoe.bench.cli", name, json.dumps(opts)]
+        return launch.run(child, args.ranks_per_node, timeout=args.timeout)
+    from .._dist import spawn
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    spawn(_rank, args.nproc, name, opts, timeout=args.timeout)
+    return 0
+
+
+def _compress(args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module("schemoe.bench.compress")
+    except ModuleNotFoundError as e:
+        if e.name != "schemoe.bench.compress":
+            raise
+        print("schemoe bench compress: not available yet (schemoe/bench/compress.py, the "
+              "compression issue, has not landed)", file=sys.stderr)  # fmt: skip
+        return 2
+    p = argparse.ArgumentParser(prog="schemoe bench compress")
+    mod.add_arguments(p)
+    sub = p.parse_args(args.rest)
+    from . import timer
+
+    summary = mod.run(sub)
+    rows = summary.get("results", [])
+    columns = list(rows[0]) if rows else []
+    config = {k: v for k, v in vars(sub).items() if k != "func"}
+    head = timer.header("schemoe bench compress", config, "one process", "none (local codec)")
+    timer.report(head, rows, columns, summary)
+    return 0
+
+
+def _guard(fn):
+    def call(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, RuntimeError, PermissionError, FileNotFoundError) as e:
+            print(f"schemoe bench: error: {e}", file=sys.stderr)
+            return 2
+
+    return call
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks: median, p10/p90, one JSON line")
+    sub = p.add_subparsers(dest="bench", required=True)
+    for name, modname in _MULTI_RANK.items():
+        mod = importlib.import_module(modname)
+        sp = sub.add_parser(name, help=mod.__doc__.splitlines()[0])
+        _add_launch_arguments(sp)
+        mod.add_arguments(sp)
+        sp.set_defaults(func=_guard(partial(_main, name)))
+    # Imported when run, so that the parser works before schemoe/bench/compress.py exists.
+    cp = sub.add_parser("compress", help="compressor throughput and error", add_help=False)
+    cp.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of schemoe.bench.compress")
+    cp.set_defaults(func=_guard(_compress))
+
+
+if __name__ == "__main__":  # a testbed child: python -m schemoe.bench.cli <name> <opts as JSON>
+    _joined(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,0 +1,146 @@
+"""The one benchmark timer, and the report every `schemoe bench` command prints.
+
+`measure` runs candidates interleaved (A B C A B C ...) so that drift (thermal, a noisy neighbour,
+a filling queue) hits all of them alike; before each sample every rank meets at a barrier, and a
+sample's time is the slowest rank's, gathered once at the end (one all_reduce, outside the timing).
+`report` prints, on rank 0 only: a header (config, topology, link, hardware, versions), a table,
+and as the last line one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Stats", "interleaved", "measure", "percentile", "header", "table", "report"]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of one candidate's samples, in milliseconds."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    samples_ms: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples_ms: Sequence[float]) -> Stats:
+        if not samples_ms:
+            raise ValueError("Stats.of needs at least one sample")
+        s = tuple(float(v) for v in samples_ms)
+        return cls(percentile(s, 50), percentile(s, 10), percentile(s, 90), s)
+
+    def row(self) -> dict[str, float]:
+        return {"median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """q-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values or not 0 <= q <= 100:
+        raise ValueError(f"percentile needs values and 0 <= q <= 100, got {len(values)} and {q}")
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def interleaved(names: Sequence[str], rounds: int) -> list[str]:
+    """The run order: every candidate once per round, in the given order."""
+    return [n for _ in range(rounds) for n in names]
+
+
+def _sync(group: Any) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def measure(
+    candidates: Mapping[str, Callable[[], Any]],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    group: Any = None,
+) -> dict[str, Stats]:
+    """Time each candidate `repeats` times after `warmup` rounds, interleaved, barrier-synced.
+
+    Collective: every rank of `group` must call it with the same candidate names. Each callable
+    must finish its work before returning (wait on pending transfers); on CUDA it should end with
+    a synchronize, which is a host-device sync by design.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    names = list(candidates)
+    for name in interleaved(names, warmup):
+        _sync(group)
+        candidates[name]()
+    samples = torch.zeros(repeats, len(names), dtype=torch.float64)
+    for i, name in enumerate(interleaved(names, repeats)):
+        _sync(group)
+        t0 = time.perf_counter()
+        candidates[name]()
+        samples[i // len(names), i % len(names)] = (time.perf_counter() - t0) * 1e3
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)  # the slowest rank counts
+    return {n: Stats.of(samples[:, j].tolist()) for j, n in enumerate(names)}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def header(title: str, config: Mapping[str, Any], topology: str, link: str) -> list[str]:
+    """The lines above every table: what ran, where, on what."""
+    threads = torch.get_num_threads()
+    return [
+        f"# {title}",
+        "# config: " + " ".join(f"{k}={v}" for k, v in config.items()),
+        f"# topology: {topology}",
+        f"# link: {link}",
+        f"# hardware: {_cpu_model()}, {os.cpu_count()} cores, {threads} thread(s) per rank",
+        f"# versions: torch {torch.__version__}, python {sys.version.split()[0]}, "
+        f"{platform.system()} {platform.release()}",
+    ]
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[str]:
+    """Rows as an aligned text table (right-aligned cells, '-' for None)."""
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return lines
+
+
+def report(
+    head: Sequence[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str], summary: dict
+) -> None:
+    """Rank 0 prints header, table and the JSON line (the last line of output)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print("\n".join([*head, *table(rows, columns), json.dumps(summary)]), flush=True)

@@ -1,0 +1,142 @@
+"""`pipe` (Pipe-A2A, ScheMoE section 2): intra-node and inter-node pairs move at the same time.
+
+A plain all-to-all posts all P pairs on one communicator, so a node's local pairs (M of them) and
+its network pairs (P - M) share one queue: t = M*t1 + (P - M)*t2. Pipe-A2A splits the pairs by
+link and drives each link on its own communicator, so t = max(M*t1, (P - M)*t2). The bytes are
+exactly naive's: every (source, destination) pair is moved once, by one of the two parts.
+
+Which communicators, and why:
+- intra: one group per node (tag "pipe.intra"), one `all_to_all_single` over the node's ranks.
+  A node's ranks are contiguous (node-major layout), so the rows it sends to them are one slice
+  of `x` and the rows it receives from them one slice of `out`: the op writes straight into the
+  shared buffer, and it never waits on a rank of another node (a world-wide op with the remote
+  splits zeroed would still exchange an empty message with every remote rank).
+- inter: one world-spanning group (tag "pipe.inter") carrying isend/irecv pairs to every rank of
+  the other nodes. The remote sources are not contiguous in `out` (they sit before and after
+  this node's block), so a collective would need a staging buffer and a copy; point-to-point
+  receives land in their slots of `out` directly. Empty pairs are still posted so every rank
+  posts the same ops (NCCL wants all ranks in a communicator's first batched p2p call).
+
+Both parts are issued from the calling thread with async ops, so `start` never blocks, and there
+is no host sync. The scheduler may start the parts separately: `start(..., link="intra", out=buf)`
+and `start(..., link="inter", out=buf)` fill disjoint rows of one buffer, in either order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..topology import Topology
+from .base import ALGORITHMS, Done, check_splits
+from .pairwise import check_link, offsets, output_buffer
+
+__all__ = ["Pipe", "Works"]
+
+
+class Works:
+    """Pending result of several async torch.distributed ops that all write into `out`."""
+
+    def __init__(self, works: list, out: torch.Tensor, keep: torch.Tensor) -> None:
+        self._works = works
+        self._out = out
+        self._keep = keep  # the (possibly copied) input must outlive the ops reading it
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._out
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+@ALGORITHMS.register("pipe")
+class Pipe:
+    """Pipe-A2A: node groups for the local link, one world group for the network link."""
+
+    name = "pipe"
+    links = ("intra", "inter")
+
+    def __init__(self, topology: Topology) -> None:
+        self.topo = topology
+        rpn = topology.ranks_per_node
+        # new_group is collective: every rank creates every node's group, in node order.
+        self.node_group = None
+        if rpn > 1:
+            groups = [
+                topology.subgroup(tuple(range(n * rpn, (n + 1) * rpn)), tag="pipe.intra")
+                for n in range(topology.nodes)
+            ]
+            self.node_group = groups[topology.node]
+        self.world_group = None
+        if topology.nodes > 1:
+            self.world_group = topology.subgroup(tuple(range(topology.world)), tag="pipe.inter")
+
+    def start(
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        *,
+        link: str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> Done | Works:
+        """Start moving `x` [N, ...]; the Pending yields `out` [sum(recv_splits), ...].
+
+        Args:
+            link: "intra" moves the pairs within this node (this rank's own rows included),
+                "inter" the pairs that cross nodes, None both at once.
+            out: the shared result buffer; required with `link`, since each part fills only its
+                own rows of it.
+        """
+        check_link(self.name, link, self.links)
+        check_splits(x, send_splits, recv_splits, self.topo.world)
+        if link is not None and out is None:
+            raise ValueError(
+                f"pipe with link={link!r} fills only part of the result; pass the shared buffer "
+                "as out="
+            )
+        out = output_buffer(x, recv_splits, out)
+        x = x.contiguous()
+        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        works = []
+        if link in (None, "intra"):
+            works += self._intra(x, send, recv, out)
+        if link in (None, "inter"):
+            works += self._inter(x, send, recv, out)
+        return Works(works, out, x) if works else Done(out)
+
+    def _intra(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
+        rpn = self.topo.ranks_per_node
+        lo, hi = self.topo.node * rpn, (self.topo.node + 1) * rpn
+        so, ro = offsets(send), offsets(recv)
+        src = x.narrow(0, so[lo], so[hi] - so[lo])
+        dst = out.narrow(0, ro[lo], ro[hi] - ro[lo])
+        if self.node_group is None:  # one rank per node: only its own rows stay local
+            dst.copy_(src)
+            return []
+        work = dist.all_to_all_single(
+            dst, src, recv[lo:hi], send[lo:hi], group=self.node_group, async_op=True
+        )
+        return [work]
+
+    def _inter(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
+        if self.world_group is None:  # one node: nothing crosses the network
+            return []
+        so, ro = offsets(send), offsets(recv)
+        ops = []
+        for peer in range(self.topo.world):
+            if self.topo.same_node(peer):
+                continue
+            g = self.topo.global_rank(peer)
+            ops.append(
+                dist.P2POp(dist.isend, x.narrow(0, so[peer], send[peer]), g, self.world_group)
+            )
+            ops.append(
+                dist.P2POp(dist.irecv, out.narrow(0, ro[peer], recv[peer]), g, self.world_group)
+            )
+        return dist.batch_isend_irecv(ops[:-2]) if len(ops) > 2 else dist.batch_isend_irecv(ops)

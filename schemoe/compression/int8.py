@@ -1,0 +1,74 @@
+"""`int8`: per-row min-max quantisation to 8-bit codes, rounded to nearest, min and scale in the row.
+
+Shapes: x [N, M] float -> payload [N, 8 + M] uint8 = [min as fp32 | scale as fp32 | M codes]
+-> [N, M] dtype, decoded as min + code * scale with scale = (max - min) / 255. ~4x smaller than
+fp32. The paper's INT8 sent scales and offsets as separate tensors (three all-to-alls); here they
+ride in the row, so the payload splits at any row and one transfer is one all-to-all.
+
+Error bound, per row (eps = 2^-24, fp32's unit roundoff):
+    |err| <= (max - min) / 255 / 2 * (1 + 2^-13) + 4 eps * max(|min|, |max|)
+i.e. half a quantisation step, plus the rounding of the fp32 arithmetic. Constant rows (zero rows
+included) are exact: their scale is 0 and every value decodes to the stored min.
+
+inf/NaN: a row holding any inf or NaN decodes to all NaN (min and scale are stored as NaN), so a
+loss scaler still sees the overflow; other rows are unaffected. So does a row whose range max -
+min overflows fp32 (only possible when |x| > ~1.7e38). A decode to float16 of values beyond 65504
+gives inf, as torch's cast does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import COMPRESSORS, check_input, check_payload
+
+__all__ = ["INT8"]
+
+_LEVELS = 255.0
+
+
+@COMPRESSORS.register("int8")
+class INT8:
+    """Per-row min-max uint8 codes; constant rows exact; rows with inf/NaN come back all NaN."""
+
+    name = "int8"
+    lossless = False
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, M] float -> [N, 8 + M] uint8."""
+        x_NM = check_input(self.name, x)
+        if x_NM.dtype != torch.float64:
+            x_NM = x_NM.float()
+        n, m = x_NM.shape
+        out_NW = torch.empty(n, 8 + m, dtype=torch.uint8, device=x.device)
+        if m == 0:
+            out_NW.view(torch.float32).zero_()
+            return out_NW
+        # 1. per-row offset and step; min/max propagate NaN, and inf gives a non-finite step.
+        lo_N1, hi_N1 = torch.aminmax(x_NM, dim=1, keepdim=True)
+        step_N1 = ((hi_N1 - lo_N1) / _LEVELS).float()
+        bad_N1 = ~torch.isfinite(step_N1)
+        lo_N1 = torch.where(bad_N1, torch.nan, lo_N1.float())
+        step_N1 = torch.where(bad_N1, torch.nan, step_N1)
+        # 2. codes: (x - min) / step lies in [0, 255 (1 + 2^-22)], so rounding lands in 0..255
+        # with no clamp; constant rows (step 0) and bad rows divide by 1 instead.
+        # Bad rows compute NaN codes; NaN -> uint8 is undefined, so zero them (no host sync).
+        q_NM = torch.sub(x_NM, lo_N1).div_(torch.where(step_N1 > 0, step_N1, 1.0)).round_()
+        q_NM.nan_to_num_(0.0, 0.0, 0.0)
+        out_NW[:, 8:].copy_(q_NM)
+        out_NW[:, :8] = torch.cat([lo_N1, step_N1], dim=1).view(torch.uint8)
+        return out_NW
+
+    def decode(self, b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        """[N, 8 + cols] uint8 -> [N, cols] dtype."""
+        check_payload(self.name, b, self.wire_bytes(1, cols))
+        meta_N2 = b[:, :8].contiguous().view(torch.float32)
+        lo_N1, step_N1 = meta_N2[:, :1], meta_N2[:, 1:]
+        if dtype == torch.float32:
+            return torch.addcmul(lo_N1, b[:, 8:], step_N1)
+        y_NM = torch.empty(b.shape[0], cols, dtype=dtype, device=b.device)
+        return torch.addcmul(lo_N1, b[:, 8:], step_N1, out=y_NM)  # computed in fp32, one cast
+
+    def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> int:
+        """8 bytes of min and scale plus one byte per value, per row, whatever the input dtype."""
+        return rows * (8 + cols)

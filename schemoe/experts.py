@@ -1,0 +1,125 @@
+"""Experts: the batched FFN that holds a rank's local experts in one tensor per weight, and a
+wrapper that runs a user's own expert modules.
+
+Legend: El local experts, M model dim, H hidden dim, N rows, n rows of one expert.
+
+Both take rows grouped by local expert with `counts[e]` rows for expert e and return the same
+shape. Every parameter is marked `schemoe_expert = True` (see `schemoe.parallel`), because expert
+weights are sharded over the expert-parallel group and must not be all-reduced with dense weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ExpertConfig
+
+__all__ = ["BatchedFFN", "ModuleExperts", "mark_expert"]
+
+
+def mark_expert(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.schemoe_expert = True
+    return module
+
+
+def _init(t: torch.Tensor, fan_in: int, seeds: Sequence[int]) -> None:
+    # Each global expert draws from its own generator, so expert e has the same initial weights
+    # whatever the number of ranks (a 4-rank model equals its 1-rank twin).
+    bound = 1.0 / math.sqrt(fan_in)
+    for i, s in enumerate(seeds):
+        g = torch.Generator().manual_seed(s)
+        t.data[i].copy_(torch.rand(t.shape[1:], generator=g) * 2 * bound - bound)
+
+
+class BatchedFFN(nn.Module):
+    """y = W2 act(W1 x + b1) + b2 per expert; swiglu: y = W2 (silu(W1 x) * (W3 x)).
+
+    Args:
+        cfg: dims and activation.
+        num_local: El, experts held by this rank.
+        first_expert: global index of the first local expert (for initialisation).
+        seed: base seed of the per-expert initialisation.
+    """
+
+    def __init__(
+        self, cfg: ExpertConfig, num_local: int, first_expert: int = 0, seed: int = 0
+    ) -> None:
+        super().__init__()
+        El, M, H = num_local, cfg.model_dim, cfg.hidden_dim
+        self.cfg = cfg
+        self.w1_EMH = nn.Parameter(torch.empty(El, M, H))
+        self.w2_EHM = nn.Parameter(torch.empty(El, H, M))
+        self.w3_EMH = nn.Parameter(torch.empty(El, M, H)) if cfg.activation == "swiglu" else None
+        self.b1_EH = nn.Parameter(torch.zeros(El, H)) if cfg.bias else None
+        self.b2_EM = nn.Parameter(torch.zeros(El, M)) if cfg.bias else None
+        ids = [first_expert + i for i in range(El)]
+        _init(self.w1_EMH, M, [seed * 1_000_003 + 3 * e for e in ids])
+        _init(self.w2_EHM, H, [seed * 1_000_003 + 3 * e + 1 for e in ids])
+        if self.w3_EMH is not None:
+            _init(self.w3_EMH, M, [seed * 1_000_003 + 3 * e + 2 for e in ids])
+        mark_expert(self)
+
+    def _act(self, h: torch.Tensor, x: torch.Tensor, e) -> torch.Tensor:
+        a = self.cfg.activation
+        if a == "relu":
+            return F.relu(h)
+        if a == "gelu":
+            return F.gelu(h)
+        return F.silu(h) * (x @ self.w3_EMH[e] if isinstance(e, int) else torch.bmm(x, self.w3_EMH))
+
+    def forward(self, x_NM: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        El = self.w1_EMH.shape[0]
+        if len(counts) != El:
+            raise ValueError(f"counts has {len(counts)} entries for {El} local experts")
+        if len(set(counts)) == 1:
+            # Equal counts (capacity mode): one bmm over all local experts.
+            n = counts[0]
+            x = x_NM.view(El, n, x_NM.shape[-1])
+            h = torch.bmm(x, self.w1_EMH)
+            if self.b1_EH is not None:
+                h = h + self.b1_EH[:, None]
+            y = torch.bmm(self._act(h, x, None), self.w2_EHM)
+            if self.b2_EM is not None:
+                y = y + self.b2_EM[:, None]
+            return y.reshape(El * n, y.shape[-1])
+        outs = []
+        for e, x in enumerate(torch.split(x_NM, list(counts))):
+            h = x @ self.w1_EMH[e]
+            if self.b1_EH is not None:
+                h = h + self.b1_EH[e]
+            y = self._act(h, x, e) @ self.w2_EHM[e]
+            if self.b2_EM is not None:
+                y = y + self.b2_EM[e]
+            outs.append(y)
+        return torch.cat(outs)
+
+
+class ModuleExperts(nn.Module):
+    """Runs one user module per local expert; each maps [n, M] -> [n, M].
+
+    Args:
+        factory: called with the global expert index, returns that expert's module.
+        num_local: El, experts on this rank; first_expert: global index of the first.
+    """
+
+    def __init__(
+        self, factory: Callable[[int], nn.Module], num_local: int, first_expert: int = 0
+    ) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(factory(first_expert + i) for i in range(num_local))
+        for m in self.experts:
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"expert factory must return nn.Module, got {type(m).__name__}")
+        mark_expert(self)
+
+    def forward(self, x_NM: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if len(counts) != len(self.experts):
+            raise ValueError(f"counts has {len(counts)} entries for {len(self.experts)} experts")
+        parts = torch.split(x_NM, list(counts))
+        return torch.cat([m(x) for m, x in zip(self.experts, parts)])

@@ -1,0 +1,170 @@
+"""The scheduled MoE region: dispatch all-to-all, experts, combine all-to-all, per chunk, under a
+policy's Schedule, in forward AND backward.
+
+A custom autograd Function wraps the whole region, so backward runs the backward TaskGraph under
+the same policy (per-chunk expert backward overlapping the gradient all-to-alls) instead of
+autograd's ready queue, which would serialise it. Forward compression is straight-through: the
+gradient ignores the rounding of the forward payload (the usual choice; see the compression docs).
+
+Legend: N dispatch-buffer rows of this rank, M model dim, W wire width of a compressed row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import trace
+from .executor import execute
+from .plan import Chunk
+from .policies import POLICIES, make_schedule
+from .tasks import Schedule, Task, TaskGraph
+
+__all__ = ["Region", "run_region"]
+
+_SCHEDULES: dict[tuple, tuple[TaskGraph, Schedule]] = {}
+
+
+def schedule_for(policy: str, chunks: int, links: tuple[str, ...], direction: str):
+    """The (graph, schedule) of a policy, built and checked once per shape."""
+    key = (policy, chunks, links, direction, id(POLICIES.get(policy)))
+    if key not in _SCHEDULES:
+        partition = POLICIES.get(policy).partition
+        graph = TaskGraph(chunks, links, direction, partition)
+        _SCHEDULES[key] = (graph, make_schedule(policy, graph))
+    return _SCHEDULES[key]
+
+
+@dataclass
+class Region:
+    """Everything one layer call's scheduled region needs (built per call by MoELayer)."""
+
+    plan: list[Chunk]
+    algorithm: Any  # AllToAll
+    forward_compressor: Any
+    backward_compressor: Any
+    experts: nn.Module
+    policy: str
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def links(self) -> tuple[str, ...]:
+        return tuple(self.algorithm.links)
+
+
+class _Runner:
+    """Maps the tasks of one direction onto tensors. Forward and backward differ only in the
+    source rows, the compressor and what the expert task does."""
+
+    def __init__(self, region: Region, src_NM: torch.Tensor, comp, expert_fn: Callable) -> None:
+        self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
+        self.multi = len(region.links) > 1
+        self.out: torch.Tensor | None = None
+        self.payload: dict[tuple[int, int], torch.Tensor] = {}
+        self.recv: dict[tuple[int, int], torch.Tensor] = {}
+        self.bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self.dtype: dict[tuple[int, int], torch.dtype] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.cols = src_NM.shape[1]
+
+    def _encode(self, key, x: torch.Tensor) -> None:
+        self.dtype[key] = x.dtype
+        self.payload[key] = self.comp.encode(x)
+
+    def run(self, t: Task) -> None:
+        ch = self.r.plan[t.chunk]
+        key = (t.phase, t.chunk)
+        if t.kind == "C" and t.phase == 1:
+            x = self.src if ch.send_idx is None else self.src.index_select(0, ch.send_idx)
+            self._encode(key, x)
+        elif t.kind == "D" and t.phase == 1:
+            x = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
+            self.hidden[t.chunk] = x if ch.perm is None else x.index_select(0, ch.perm)
+        elif t.kind == "E":
+            self.hidden[t.chunk] = self.expert_fn(t.chunk, self.hidden[t.chunk], ch.expert_counts)
+        elif t.kind == "C":
+            y = self.hidden.pop(t.chunk)
+            self._encode(key, y if ch.inv_perm is None else y.index_select(0, ch.inv_perm))
+        else:  # D2: back in this rank's buffer order
+            z = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
+            if ch.send_idx is None:
+                self.out = z
+            else:
+                if self.out is None:
+                    self.out = z.new_empty((self.src.shape[0], self.cols))
+                self.out.index_copy_(0, ch.send_idx, z)
+
+    def start(self, t: Task):
+        ch = self.r.plan[t.chunk]
+        key = (t.phase, t.chunk)
+        x = self.payload[key]
+        send, recv = (ch.send_splits, ch.recv_splits) if t.phase == 1 else (ch.recv_splits, ch.send_splits)
+        if not self.multi:
+            self.payload.pop(key)
+            return self.r.algorithm.start(x, send, recv)
+        if key not in self.bufs:
+            self.bufs[key] = x.new_empty((sum(recv), *x.shape[1:]))
+        return self.r.algorithm.start(x, send, recv, link=t.link, out=self.bufs[key])
+
+    def finish(self, t: Task, result: torch.Tensor) -> None:
+        self.recv[(t.phase, t.chunk)] = result
+
+    def result(self) -> torch.Tensor:
+        if self.out is None:  # no rows at all on this rank
+            return self.src.new_empty((0, self.cols))
+        return self.out
+
+
+def _params(experts: nn.Module) -> list[nn.Parameter]:
+    return [p for p in experts.parameters() if p.requires_grad]
+
+
+class _RegionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
+        need_grad = rows_NM.requires_grad or any(p.requires_grad for p in params)
+
+        def expert_fwd(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+            if not need_grad:
+                return region.experts(x, counts)
+            leaf = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = region.experts(leaf, counts)
+            region.saved[i] = (leaf, y)
+            return y.detach()
+
+        runner = _Runner(region, rows_NM, region.forward_compressor, expert_fwd)
+        graph, sched = schedule_for(region.policy, len(region.plan), region.links, "forward")
+        execute(sched, graph, runner, trace.active("forward"))
+        ctx.region = region
+        ctx.n_params = len(params)
+        return runner.result()
+
+    @staticmethod
+    def backward(ctx, grad_NM: torch.Tensor):
+        region: Region = ctx.region
+        params = _params(region.experts)
+        acc: list[torch.Tensor | None] = [None] * len(params)
+
+        def expert_bwd(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+            leaf, y = region.saved.pop(i)
+            grads = torch.autograd.grad(y, (leaf, *params), gy.to(y.dtype), allow_unused=True)
+            for j, g in enumerate(grads[1:]):
+                if g is not None:
+                    acc[j] = g if acc[j] is None else acc[j] + g
+            return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+
+        runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
+        graph, sched = schedule_for(region.policy, len(region.plan), region.links, "backward")
+        execute(sched, graph, runner, trace.active("backward"))
+        grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
+        return (None, runner.result(), *grad_params)
+
+
+def run_region(region: Region, rows_NM: torch.Tensor) -> torch.Tensor:
+    """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows."""
+    return _RegionFn.apply(region, rows_NM, *_params(region.experts))

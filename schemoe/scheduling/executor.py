@@ -1,0 +1,81 @@
+"""Runs a Schedule: compute tasks in order on the calling thread, transfers asynchronously.
+
+Rules (the same ones `Schedule.check` and the simulator assume):
+  * compute tasks run one at a time in the schedule's compute order;
+  * each link issues its transfers in the schedule's order, each as soon as its inputs exist
+    (after the compute task that makes them) and the transfers before it on that link were
+    issued; issuing never blocks;
+  * a compute task waits on a transfer only when it consumes it.
+
+On CPU, gloo's worker threads move the bytes while this thread computes; on CUDA the transfers
+run on the communicators' NCCL streams and compute on the current stream (not yet run on CUDA).
+
+The work itself is supplied by a `TaskRunner`: `run(task)` for compute tasks, `start(task)` for
+transfers (returns a Pending), `finish(task, result)` when a transfer is waited on. A `Tracer`
+(see schemoe.trace), if given, records each task's start and end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from .tasks import COMPUTE, Schedule, Task, TaskGraph
+
+__all__ = ["TaskRunner", "execute"]
+
+
+class TaskRunner(Protocol):
+    def run(self, task: Task) -> None: ...
+
+    def start(self, task: Task) -> Any: ...
+
+    def finish(self, task: Task, result: Any) -> None: ...
+
+
+def _completed(pending: Any) -> bool:
+    probe = getattr(pending, "is_completed", None)
+    return bool(probe()) if probe is not None else False
+
+
+def execute(schedule: Schedule, graph: TaskGraph, runner: TaskRunner, tracer=None) -> None:
+    """Execute every task of `graph` in the order `schedule` gives (checked beforehand)."""
+    links = [res for res in schedule.order if res != COMPUTE]
+    heads = dict.fromkeys(links, 0)
+    done: set[Task] = set()
+    inflight: dict[Task, Any] = {}
+    started: dict[Task, float] = {}
+
+    def issue() -> None:
+        for link in links:
+            q = schedule.order[link]
+            while heads[link] < len(q) and all(d in done for d in graph.deps[q[heads[link]]]):
+                t = q[heads[link]]
+                started[t] = time.perf_counter()
+                inflight[t] = runner.start(t)
+                heads[link] += 1
+
+    def land(t: Task) -> None:
+        result = inflight.pop(t).wait()
+        if tracer is not None:
+            tracer.record(t, started[t], time.perf_counter())
+        runner.finish(t, result)
+        done.add(t)
+
+    for t in schedule.order[COMPUTE]:
+        issue()
+        for d in graph.deps[t]:
+            if d in inflight:
+                land(d)
+        t0 = time.perf_counter()
+        runner.run(t)
+        if tracer is not None:
+            tracer.record(t, t0, time.perf_counter())
+        done.add(t)
+        if tracer is not None:
+            # Transfers that finished while we computed get a truthful end time.
+            for d in [d for d, p in inflight.items() if _completed(p)]:
+                land(d)
+    issue()
+    for d in list(inflight):
+        land(d)

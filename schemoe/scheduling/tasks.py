@@ -1,0 +1,175 @@
+"""Tasks, task graphs and schedules: plain data with a compact text form.
+
+One MoE layer call, cut into r chunks, is r chains of seven tasks:
+
+    C1.i -> A1.i -> D1.i -> E.i -> C2.i -> A2.i -> D2.i
+
+C = compress, A = all-to-all, D = decompress, E = expert; phase 1 is the dispatch exchange and
+phase 2 the combine exchange. Backward is the same chain run on gradients (phase 1 carries the
+gradient of the combine output to the experts, phase 2 brings input gradients back), so one graph
+type and every policy serve both directions. An all-to-all that drives two links (Pipe-A2A) has one
+A task per link: "A1.3@intra", "A1.3@inter"; D waits for all of them.
+
+A Schedule gives, for each resource ("compute" and every link), the order of its tasks:
+
+    compute: C1.0 C1.1 D1.0 E.0 C2.0 D1.1 E.1 C2.1 D2.0 D2.1
+    net: A1.0 A1.1 A2.0 A2.1
+
+`Schedule.parse(str(s)) == s`. The executor and the simulator consume the same Schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Task", "TaskGraph", "Schedule", "COMPUTE"]
+
+COMPUTE = "compute"
+_KINDS = ("C", "A", "D", "E")
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    """One task. kind in C/A/D/E; phase 1 or 2 (0 for E); chunk index; link for A tasks."""
+
+    kind: str
+    phase: int
+    chunk: int
+    link: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"task kind must be one of {_KINDS}, got {self.kind!r}")
+        if (self.kind == "E") != (self.phase == 0) or self.phase not in (0, 1, 2):
+            raise ValueError(f"bad phase {self.phase} for task kind {self.kind}")
+        if (self.link is not None) != (self.kind == "A"):
+            raise ValueError(f"only A tasks have a link, got {self.kind} with link {self.link!r}")
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind == "A"
+
+    @property
+    def resource(self) -> str:
+        return self.link if self.kind == "A" else COMPUTE
+
+    def __str__(self) -> str:
+        name = "E" if self.kind == "E" else f"{self.kind}{self.phase}"
+        at = f"@{self.link}" if self.link is not None and self.link != "net" else ""
+        return f"{name}.{self.chunk}{at}"
+
+    @classmethod
+    def parse(cls, text: str, default_link: str = "net") -> Task:
+        try:
+            head, rest = text.split(".", 1)
+            chunk_s, _, link = rest.partition("@")
+            kind, phase = head[0], (int(head[1:]) if len(head) > 1 else 0)
+            if kind == "A":
+                return cls(kind, phase, int(chunk_s), link or default_link)
+            if link:
+                raise ValueError(text)
+            return cls(kind, phase, int(chunk_s))
+        except (ValueError, IndexError):
+            raise ValueError(f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter'") from None
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    """Tasks and dependencies of one layer call (forward or backward).
+
+    Args:
+        chunks: r.
+        links: the resources of the all-to-all algorithm, e.g. ("net",) or ("intra", "inter").
+        direction: "forward" or "backward" (same graph; the executor maps tasks differently).
+        partition: how chunks cut the work: "capacity" (token rows of every expert) or "peers"
+            (groups of destination ranks, FasterMoE's smart schedule).
+    """
+
+    chunks: int
+    links: tuple[str, ...] = ("net",)
+    direction: str = "forward"
+    partition: str = "capacity"
+    deps: dict[Task, tuple[Task, ...]] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
+        if not self.links:
+            raise ValueError("an all-to-all needs at least one link")
+        if self.direction not in ("forward", "backward"):
+            raise ValueError(f"direction must be 'forward' or 'backward', got {self.direction!r}")
+        deps: dict[Task, tuple[Task, ...]] = {}
+        for i in range(self.chunks):
+            c1, d1, e, c2, d2 = (Task("C", 1, i), Task("D", 1, i), Task("E", 0, i),
+                                 Task("C", 2, i), Task("D", 2, i))
+            a1 = tuple(Task("A", 1, i, ln) for ln in self.links)
+            a2 = tuple(Task("A", 2, i, ln) for ln in self.links)
+            deps[c1] = ()
+            deps.update({a: (c1,) for a in a1})
+            deps[d1] = a1
+            deps[e] = (d1,)
+            deps[c2] = (e,)
+            deps.update({a: (c2,) for a in a2})
+            deps[d2] = a2
+        object.__setattr__(self, "deps", deps)
+
+    @property
+    def tasks(self) -> list[Task]:
+        return list(self.deps)
+
+    def resources(self) -> tuple[str, ...]:
+        return (COMPUTE, *self.links)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-resource task order. `order` maps resource name -> tuple of tasks."""
+
+    order: dict[str, tuple[Task, ...]]
+
+    def __str__(self) -> str:
+        return "\n".join(f"{res}: {' '.join(map(str, ts))}" for res, ts in self.order.items())
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        order: dict[str, tuple[Task, ...]] = {}
+        for line in text.strip().splitlines():
+            res, sep, body = line.partition(":")
+            if not sep:
+                raise ValueError(f"schedule line {line!r} needs 'resource: tasks'")
+            res = res.strip()
+            default = res if res != COMPUTE else "net"
+            order[res] = tuple(Task.parse(t, default) for t in body.split())
+        return cls(order)
+
+    def check(self, graph: TaskGraph) -> None:
+        """Raise ValueError unless this schedule runs `graph` without deadlock.
+
+        Each task must appear exactly once, on its own resource; and running the compute order
+        while each link issues its tasks in order as soon as their inputs exist must never reach
+        a compute task whose input transfer cannot have been issued.
+        """
+        want = set(graph.tasks)
+        seen = [t for ts in self.order.values() for t in ts]
+        if len(seen) != len(set(seen)) or set(seen) != want:
+            missing, extra = want - set(seen), set(seen) - want
+            raise ValueError(
+                f"schedule must list each task once: missing {sorted(map(str, missing))}, "
+                f"unexpected {sorted(map(str, extra))}"
+            )
+        for res, ts in self.order.items():
+            bad = [str(t) for t in ts if t.resource != res]
+            if bad:
+                raise ValueError(f"tasks {bad} are not on resource {res!r}")
+        done: set[Task] = set()
+        heads = {res: 0 for res in self.order if res != COMPUTE}
+        for t in self.order.get(COMPUTE, ()):
+            for res in heads:
+                q = self.order[res]
+                while heads[res] < len(q) and all(d in done for d in graph.deps[q[heads[res]]]):
+                    done.add(q[heads[res]])
+                    heads[res] += 1
+            missing = [str(d) for d in graph.deps[t] if d not in done]
+            if missing:
+                raise ValueError(f"schedule deadlocks: {t} needs {missing}, which cannot start")
+            done.add(t)

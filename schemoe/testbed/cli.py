@@ -1,0 +1,61 @@
+"""`schemoe testbed up|run|down`: the emulated cluster from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import launch, netns
+
+__all__ = ["register"]
+
+
+def _up(args: argparse.Namespace) -> int:
+    bed = netns.up(args.nodes, args.rate, args.latency)
+    print(bed.describe())
+    for n, addr in enumerate(bed.addresses):
+        print(f"  node {n}: namespace {bed.node_ns(n)}, {netns.IFNAME} {addr}")
+    print(f"state: {netns.STATE_FILE}; remove with `schemoe testbed down`")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    removed = netns.down()
+    print(f"removed {', '.join(removed)}" if removed else "no testbed was up")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return launch.run(args.target, args.ranks_per_node, timeout=args.timeout)
+
+
+def _guard(fn):
+    def call(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, PermissionError, FileNotFoundError, RuntimeError) as e:
+            print(f"schemoe testbed: error: {e}", file=sys.stderr)
+            return 2
+
+    return call
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("testbed", help="emulated multi-node cluster (root, Linux)")
+    sub = p.add_subparsers(dest="testbed_command", required=True)
+
+    up = sub.add_parser("up", help="create one namespace per node and shaped links")
+    up.add_argument("--nodes", type=int, required=True, help="number of emulated nodes")
+    up.add_argument("--rate", required=True, help="link rate each way, e.g. 400mbit, 1gbit")
+    up.add_argument("--latency", default=None, help="one-way node-to-node latency, e.g. 1ms")
+    up.set_defaults(func=_guard(_up))
+
+    run = sub.add_parser("run", help="launch ranks on every node (torchrun-style env)")
+    run.add_argument("--ranks-per-node", type=int, required=True)
+    run.add_argument("--timeout", type=float, default=600.0, help="kill all ranks after S s")
+    run.add_argument("target", nargs=argparse.REMAINDER,
+                     help="-- then a module (with or without -m) or a script, and its args")
+    run.set_defaults(func=_guard(_run))
+
+    down = sub.add_parser("down", help="remove the testbed (idempotent)")
+    down.set_defaults(func=_guard(_down))

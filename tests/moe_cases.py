@@ -1,0 +1,108 @@
+"""Shared by the multi-rank tests: build a layer and the reference from one seed, run both, and
+compare forward and backward.
+
+Tolerances (fp32): the layer and the reference do the same arithmetic in a different order
+(bmm vs one matmul per expert, buffer gathers, chunked GEMMs, a different summation order of
+expert-weight gradients over ranks and chunks). Each output element is a sum of O(H) products of
+O(1) values, so reordering moves it by a few ulps of fp32 (1.2e-7 relative) times sqrt(H);
+atol=2e-5 / rtol=2e-4 leaves ~10x headroom over that while catching any wrong row, weight or
+dropped token (those show up as O(1) errors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from schemoe import MoEConfig, MoELayer, reference_moe
+
+ATOL, RTOL = 2e-5, 2e-4
+
+
+def global_weights(layer: MoELayer, seed: int, gate_bias_rows=()) -> dict[str, torch.Tensor]:
+    """Deterministic unsharded weights with the layer's global shapes."""
+    g = torch.Generator().manual_seed(seed)
+    E, P = layer.config.gate.num_experts, layer.topology.world
+    out = {}
+    for name, t in layer.global_state().items() if P == 1 else _shapes(layer).items():
+        shape = t.shape if isinstance(t, torch.Tensor) else t
+        out[name] = torch.randn(shape, generator=g) * (0.5 if "gate" in name else 0.3)
+    for e in gate_bias_rows:
+        out["gate_weight"][e] = -3.0  # with positive inputs expert e is never chosen
+    del E
+    return out
+
+
+def _shapes(layer: MoELayer) -> dict[str, tuple[int, ...]]:
+    P = layer.topology.world
+    out = {}
+    for name, p in layer.named_parameters():
+        shape = tuple(p.shape)
+        if getattr(p, "schemoe_expert", False):
+            shape = (shape[0] * P, *shape[1:])
+        out[name] = shape
+    return out
+
+
+def inputs(world: int, tokens: list[int], M: int, seed: int, positive: bool = False):
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randn(t, M, generator=g) for t in tokens]
+    if positive:
+        xs = [x.abs() + 0.1 for x in xs]
+    grads = [torch.randn(t, M, generator=g) for t in tokens]
+    return xs, grads
+
+
+def run_layer(layer: MoELayer, x: torch.Tensor, gy: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y, aux = layer(x)
+    ((y * gy).sum() + aux).backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in layer.named_parameters()}
+    return y.detach(), aux.detach(), x.grad.clone(), grads
+
+
+def run_reference(weights, cfg: MoEConfig, xs, gys):
+    w = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
+    xs = [x.clone().requires_grad_(True) for x in xs]
+    ys, auxes = reference_moe(xs, w, cfg)
+    loss = sum((y * gy).sum() + a for y, gy, a in zip(ys, gys, auxes))
+    if loss.requires_grad:  # False only when no rank has a token
+        loss.backward()
+    z = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731 (unused input)
+    return ys, auxes, [z(x) for x in xs], {n: z(t) for n, t in w.items()}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str, atol=ATOL, rtol=RTOL) -> None:
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+    if not torch.allclose(a, b, atol=atol, rtol=rtol):
+        err = (a - b).abs().max().item()
+        raise AssertionError(f"{what}: max abs error {err:.3e} > atol {atol} / rtol {rtol}")
+
+
+def check_against_reference(cfg: MoEConfig, tokens: list[int], seed: int, positive=False,
+                            dead_experts=(), atol=ATOL, rtol=RTOL, **layer_kw) -> dict:
+    """Build the layer on this rank, compare output, aux, and all grads with the reference."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(seed)
+    layer = MoELayer(cfg, **layer_kw)
+    weights = global_weights(layer, seed, dead_experts)
+    layer.load_global_state(weights)
+    xs, gys = inputs(len(tokens), tokens, cfg.experts.model_dim, seed, positive)
+    y, aux, gx, grads = run_layer(layer, xs[rank], gys[rank])
+    ry, raux, rgx, rgrads = run_reference(weights, cfg, xs, gys)
+    tag = f"[{cfg.gate.top_k=} {cfg.gate.capacity_factor=} {tokens=} rank {rank}]"
+    close(y, ry[rank].detach(), f"output {tag}", atol, rtol)
+    close(aux, raux[rank].detach(), f"aux {tag}", atol, rtol)
+    close(gx, rgx[rank], f"input grad {tag}", atol, rtol)
+    sl = layer.expert_slice()
+    for name, g in grads.items():
+        if getattr(dict(layer.named_parameters())[name], "schemoe_expert", False):
+            close(g, rgrads[name][sl], f"grad {name} {tag}", atol, rtol)
+        else:
+            if dist.is_initialized():
+                dist.all_reduce(g)  # dense grads: what DDP's all-reduce would sum
+            close(g, rgrads[name], f"grad {name} {tag}", atol, rtol)
+    return {"y": y, "gx": gx, "grads": grads}
