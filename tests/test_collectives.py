@@ -69,9 +69,9 @@ def _garbage(like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, float("nan"))
 
 
-def _error(fn) -> str:
+def _error(fn, *args, **kwargs) -> str:
     try:
-        fn()
+        fn(*args, **kwargs)
     except ValueError as e:
         return str(e)
     return "no ValueError"
@@ -119,23 +119,31 @@ def _run_cases(rank: int, world: int, layouts: tuple[int, ...]) -> dict:
         x, send, recv, _ = _case(3000, "random", torch.float32, (3,), rank, world)
         negative = [-1] + list(send[1:])
         for n, algo in algos.items():
-            rep["errors"][(n, "length")] = _error(lambda: algo.start(x, send[:-1], recv))
-            rep["errors"][(n, "negative")] = _error(lambda: algo.start(x, negative, recv))
-        rep["errors"][("pipe", "link")] = _error(lambda: pipe.start(x, send, recv, link="net"))
+            rep["errors"][(n, "length")] = _error(algo.start, x, send[:-1], recv)
+            rep["errors"][(n, "negative")] = _error(algo.start, x, negative, recv)
+        rep["errors"][("pipe", "link")] = _error(pipe.start, x, send, recv, link="net")
         user = build("test_user_algo", topo)
         if not (isinstance(user, UserAlgo) and torch.equal(user.start(*a[:3]).wait(), a[3])):
             rep["flight"].append(f"test_user_algo {world // rpn}x{rpn}")
     return rep
 
 
-_REPORTS: dict[int, list[dict]] = {}
+_REPORTS: dict[int, list[dict] | BaseException] = {}
 
 
 def _reports() -> dict[int, list[dict]]:
-    """One spawn per world size, shared by the tests below (each spawn costs seconds)."""
-    if not _REPORTS:
-        for world, layouts in LAYOUTS.items():
-            _REPORTS[world] = spawn(_run_cases, world, layouts, timeout=60)
+    """One spawn per world size, shared by the tests below (each spawn costs seconds).
+
+    A world whose run failed fails every test that reads it, not only the first one."""
+    for world, layouts in LAYOUTS.items():
+        if world not in _REPORTS:
+            try:
+                _REPORTS[world] = spawn(_run_cases, world, layouts, timeout=60)
+            except (RuntimeError, TimeoutError) as e:
+                _REPORTS[world] = e
+    for rep in _REPORTS.values():
+        if isinstance(rep, BaseException):
+            raise rep
     return _REPORTS
 
 

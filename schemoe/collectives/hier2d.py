@@ -132,7 +132,7 @@ class Hier2D:
         z = exchange(y, send1, recv1, self.node_group, rpn)
         # 2. Received blocks (source local l, dest node n) -> (n, l), grouped by destination node.
         sizes = [cnt[lr][n * rpn + me] for lr in range(rpn) for n in range(nodes)]
-        w = z
+        w = permute_blocks(z, sizes, [lr * nodes + n for n in range(nodes) for lr in range(rpn)])
         # 3. Exchange with the peer of local rank `me` on every node. What arrives from node n is
         #    its ranks' rows for this rank in local-rank order: the result, in source-rank order.
         send3 = [sum(cnt[lr][n * rpn + me] for lr in range(rpn)) for n in range(nodes)]

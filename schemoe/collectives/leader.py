@@ -114,7 +114,7 @@ class Leader:
                 for n in range(nodes)
                 for lr in range(rpn)
             ]
-            z = h
+            z = permute_blocks(h, sizes, order)
             to_ranks = [sum(rcv[j]) for j in range(rpn)]
         else:
             z, to_ranks = x.new_empty((0, *x.shape[1:])), [0] * rpn

@@ -139,4 +139,4 @@ class Pipe:
             ops.append(
                 dist.P2POp(dist.irecv, out.narrow(0, ro[peer], recv[peer]), g, self.world_group)
             )
-        return dist.batch_isend_irecv(ops[:-2]) if len(ops) > 2 else dist.batch_isend_irecv(ops)
+        return dist.batch_isend_irecv(ops)
