@@ -11,10 +11,12 @@ collective over the parent group, so every rank must ask for the same sub-groups
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["Topology"]
@@ -76,8 +78,22 @@ class Topology:
         run at the same time (each process group has its own worker and ordering)."""
         key = (self.group, tuple(ranks), tag)
         if key not in _SUBGROUPS:
-            _SUBGROUPS[key] = dist.new_group([self.global_rank(r) for r in ranks])
+            _SUBGROUPS[key] = dist.new_group(
+                [self.global_rank(r) for r in ranks], timeout=self.timeout()
+            )
         return _SUBGROUPS[key]
+
+    def timeout(self) -> datetime.timedelta | None:
+        """The parent group's collective timeout, so sub-groups raise as soon as it would
+        (new_group's own default is 30 minutes). None when the backend does not say."""
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = self.group if self.group is not None else c10d._get_default_group()
+        try:
+            backend = pg._get_backend(torch.device("cpu" if dist.get_backend(pg) == "gloo" else "cuda"))
+            return backend.options._timeout
+        except (AttributeError, RuntimeError):
+            return None
 
     def node_groups(self) -> list[Any]:
         """One group per node (its local ranks); created on every rank in node order."""

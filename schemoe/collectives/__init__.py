@@ -26,7 +26,7 @@ _BUILT: dict = {}
 
 def build(name: str, topology) -> AllToAll:
     """The algorithm `name` for `topology`, constructed once and cached (it may create groups)."""
-    key = (name, topology)
+    key = (name, topology, id(topology.group))  # Topology equality ignores the group
     if key not in _BUILT:
         _BUILT[key] = ALGORITHMS.get(name)(topology)
     return _BUILT[key]

@@ -44,6 +44,8 @@ __all__ = ["AllToAll", "Pending", "Done", "ALGORITHMS", "check_splits"]
 class Pending(Protocol):
     def wait(self) -> torch.Tensor: ...
 
+    def is_completed(self) -> bool: ...  # non-blocking; used by the tracer for true end times
+
 
 @runtime_checkable
 class AllToAll(Protocol):
@@ -69,6 +71,9 @@ class Done:
 
     def wait(self) -> torch.Tensor:
         return self._t
+
+    def is_completed(self) -> bool:
+        return True
 
 
 # name -> class taking a Topology; built once per (algorithm, topology).
