@@ -19,7 +19,7 @@ from ..collectives import ALGORITHMS, build
 from ..topology import Topology
 from . import timer
 
-__all__ = ["add_arguments", "validate", "bench", "parse_size"]
+__all__ = ["add_arguments", "bench", "parse_size", "validate"]
 
 _ROW = 256  # bytes per row: 64 fp32 values; sizes are rounded to whole rows per peer
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -38,12 +38,20 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--algorithms", type=_csv, default=["naive"],
-                   help=f"comma-separated, from: {', '.join(ALGORITHMS.names())}")
-    p.add_argument("--sizes", type=lambda s: [parse_size(t) for t in _csv(s)],
-                   default=[2**16, 2**20, 2**23], help="bytes per rank, e.g. 64K,1M,8M")
+    p.add_argument(
+        "--algorithms",
+        type=_csv,
+        default=["naive"],
+        help=f"comma-separated, from: {', '.join(ALGORITHMS.names())}",
+    )
+    p.add_argument(
+        "--sizes",
+        type=lambda s: [parse_size(t) for t in _csv(s)],
+        default=[2**16, 2**20, 2**23],
+        help="bytes per rank, e.g. 64K,1M,8M",
+    )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)  # fmt: skip
+    p.add_argument("--repeats", type=int, default=10)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -55,8 +63,10 @@ def validate(args: argparse.Namespace) -> None:
 
 def _splits(topo: Topology, rows: int, keep: str) -> list[int]:
     """rows per peer, zeroed for the peers not on `keep` ("all", "intra" or "inter")."""
-    return [rows if keep == "all" or (keep == "intra") == topo.same_node(d) else 0
-            for d in range(topo.world)]  # fmt: skip
+    return [
+        rows if keep == "all" or (keep == "intra") == topo.same_node(d) else 0
+        for d in range(topo.world)
+    ]
 
 
 def bench(args: argparse.Namespace, env) -> None:
@@ -82,9 +92,14 @@ def bench(args: argparse.Namespace, env) -> None:
         limit = None
         if topo.nodes > 1:
             limit = max(stats["naive[intra]"].median_ms, stats["naive[inter]"].median_ms)
-            limits.append({"bytes": nbytes, "limit_ms": limit,
-                           "intra_ms": stats["naive[intra]"].median_ms,
-                           "inter_ms": stats["naive[inter]"].median_ms})  # fmt: skip
+            limits.append(
+                {
+                    "bytes": nbytes,
+                    "limit_ms": limit,
+                    "intra_ms": stats["naive[intra]"].median_ms,
+                    "inter_ms": stats["naive[inter]"].median_ms,
+                }
+            )
         # Inter-node bytes one node sends: each of its ranks, to every rank of the other nodes.
         node_inter_bits = 8 * topo.ranks_per_node * inter_peers * per_peer * _ROW
         for name in algos:
@@ -93,14 +108,39 @@ def bench(args: argparse.Namespace, env) -> None:
             frac = None
             if env.link_rate_gbps and topo.nodes > 1:
                 frac = node_inter_bits / (secs * env.link_rate_gbps * 1e9)
-            rows_out.append({"algorithm": name, "bytes": nbytes, **st.row(),
-                             "algbw_gbps": nbytes * 8 / secs / 1e9, "link_fraction": frac,
-                             "limit_ms": limit})  # fmt: skip
-    config = {"algorithms": ",".join(args.algorithms), "warmup": args.warmup,
-              "repeats": args.repeats, "dtype": "float32", "row_bytes": _ROW}  # fmt: skip
+            rows_out.append(
+                {
+                    "algorithm": name,
+                    "bytes": nbytes,
+                    **st.row(),
+                    "algbw_gbps": nbytes * 8 / secs / 1e9,
+                    "link_fraction": frac,
+                    "limit_ms": limit,
+                }
+            )
+    config = {
+        "algorithms": ",".join(args.algorithms),
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "dtype": "float32",
+        "row_bytes": _ROW,
+    }
     head = timer.header("schemoe bench a2a", config, env.topology(topo.world), env.link())
-    cols = ["algorithm", "bytes", "median_ms", "p10_ms", "p90_ms", "algbw_gbps", "link_fraction",
-            "limit_ms"]  # fmt: skip
-    summary = {"results": rows_out, "link_rate_gbps": env.link_rate_gbps, "limits": limits,
-               "world_size": topo.world, "ranks_per_node": topo.ranks_per_node}  # fmt: skip
+    cols = [
+        "algorithm",
+        "bytes",
+        "median_ms",
+        "p10_ms",
+        "p90_ms",
+        "algbw_gbps",
+        "link_fraction",
+        "limit_ms",
+    ]
+    summary = {
+        "results": rows_out,
+        "link_rate_gbps": env.link_rate_gbps,
+        "limits": limits,
+        "world_size": topo.world,
+        "ranks_per_node": topo.ranks_per_node,
+    }
     timer.report(head, rows_out, cols, summary)

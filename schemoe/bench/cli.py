@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 
-__all__ = ["register", "BenchEnv"]
+__all__ = ["BenchEnv", "register"]
 
 _MULTI_RANK = {"a2a": "schemoe.bench.a2a", "layer": "schemoe.bench.layer"}
 
@@ -52,8 +52,12 @@ class BenchEnv:
 def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where the ranks run")
     g.add_argument("--testbed", action="store_true", help="on the testbed `testbed up` started")
-    g.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per node (testbed: required; loopback: splits --nproc into nodes)")
+    g.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (testbed: required; loopback: splits --nproc into nodes)",
+    )
     g.add_argument("--nproc", type=int, default=2, help="local ranks on loopback (no --testbed)")
     g.add_argument("--timeout", type=float, default=600.0, help="give up after S seconds")
 
@@ -117,8 +121,11 @@ def _compress(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         if e.name != "schemoe.bench.compress":
             raise
-        print("schemoe bench compress: not available yet (schemoe/bench/compress.py, the "
-              "compression issue, has not landed)", file=sys.stderr)  # fmt: skip
+        print(
+            "schemoe bench compress: not available yet (schemoe/bench/compress.py, the "
+            "compression issue, has not landed)",
+            file=sys.stderr,
+        )
         return 2
     p = argparse.ArgumentParser(prog="schemoe bench compress")
     mod.add_arguments(p)

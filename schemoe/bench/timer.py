@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Stats", "interleaved", "measure", "percentile", "header", "table", "report"]
+__all__ = ["Stats", "header", "interleaved", "measure", "percentile", "report", "table"]
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,10 @@ def header(title: str, config: Mapping[str, Any], topology: str, link: str) -> l
         f"# topology: {topology}",
         f"# link: {link}",
         f"# hardware: {_cpu_model()}, {os.cpu_count()} cores, {threads} thread(s) per rank",
-        f"# versions: torch {torch.__version__}, python {sys.version.split()[0]}, "
-        f"{platform.system()} {platform.release()}",
+        (
+            f"# versions: torch {torch.__version__}, python {sys.version.split()[0]}, "
+            f"{platform.system()} {platform.release()}"
+        ),
     ]
 
 

@@ -6,4 +6,4 @@ See docs/testbed.md. `netns` builds and removes the network, `launch` runs ranks
 from .launch import run
 from .netns import Testbed, down, load, up
 
-__all__ = ["Testbed", "up", "down", "load", "run"]
+__all__ = ["Testbed", "down", "load", "run", "up"]

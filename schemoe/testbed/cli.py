@@ -53,8 +53,11 @@ def register(subparsers) -> None:
     run = sub.add_parser("run", help="launch ranks on every node (torchrun-style env)")
     run.add_argument("--ranks-per-node", type=int, required=True)
     run.add_argument("--timeout", type=float, default=600.0, help="kill all ranks after S s")
-    run.add_argument("target", nargs=argparse.REMAINDER,
-                     help="-- then a module (with or without -m) or a script, and its args")
+    run.add_argument(
+        "target",
+        nargs=argparse.REMAINDER,
+        help="-- then a module (with or without -m) or a script, and its args",
+    )
     run.set_defaults(func=_guard(_run))
 
     down = sub.add_parser("down", help="remove the testbed (idempotent)")

@@ -53,8 +53,11 @@ def _free_port(ns: str) -> int:
     code = "import socket;s=socket.socket();s.bind(('',0));print(s.getsockname()[1])"
     out = subprocess.run(
         ["ip", "netns", "exec", ns, sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return int(out.stdout)
 
 
@@ -72,7 +75,10 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def run(
-    target: Sequence[str], ranks_per_node: int, timeout: float = 600.0, bed: netns.Testbed | None = None
+    target: Sequence[str],
+    ranks_per_node: int,
+    timeout: float = 600.0,
+    bed: netns.Testbed | None = None,
 ) -> int:
     """Launch `target` on every node of the testbed that is up; return the first failing code."""
     if ranks_per_node < 1:
@@ -97,20 +103,30 @@ def run(
     try:
         for node in range(bed.nodes):
             for local in range(ranks_per_node):
-                env = dict(base, RANK=str(node * ranks_per_node + local), LOCAL_RANK=str(local),
-                           GROUP_RANK=str(node), NODE_RANK=str(node))  # fmt: skip
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", bed.node_ns(node), *cmd],
-                    env=env, start_new_session=True,
-                ))  # fmt: skip
+                env = dict(
+                    base,
+                    RANK=str(node * ranks_per_node + local),
+                    LOCAL_RANK=str(local),
+                    GROUP_RANK=str(node),
+                    NODE_RANK=str(node),
+                )
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", bed.node_ns(node), *cmd],
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
                 rank, code = bad[0]
-                print(f"testbed run: rank {rank} exited with {code}; stopping the others",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"testbed run: rank {rank} exited with {code}; stopping the others",
+                    file=sys.stderr,
+                )
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 return 0

@@ -12,12 +12,14 @@ clear error. Ranks of one node talk to each other through the node's own address
 routes over that namespace's loopback: intra-node traffic never touches eth0 and is never shaped.
 
 Nothing is created outside these namespaces: the veth ends are created directly inside them and
-the 10.77.0.0/24 addresses exist only there. What exists is recorded in STATE_FILE; `down` removes
-every `smoe-*` namespace (with everything in it) whether or not the state file survived.
+the 10.77.0.0/24 addresses exist only there. What exists is recorded in STATE_FILE, plus a hosts file
+per node under /etc/netns/; `down` removes every `smoe-*` namespace (with everything in it) and
+those files whether or not the state file survived.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -26,18 +28,19 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 __all__ = [
-    "Testbed",
-    "STATE_FILE",
-    "PREFIX",
     "IFNAME",
-    "parse_rate",
-    "parse_latency",
-    "up",
+    "PREFIX",
+    "STATE_FILE",
+    "Testbed",
+    "bucket_bytes",
+    "check_prerequisites",
     "down",
+    "link_bytes",
     "load",
     "namespaces",
-    "link_bytes",
-    "check_prerequisites",
+    "parse_latency",
+    "parse_rate",
+    "up",
 ]
 
 PREFIX = "smoe-"
@@ -45,7 +48,10 @@ SWITCH = PREFIX + "sw"
 IFNAME = "eth0"  # the node's interface inside its namespace (GLOO_SOCKET_IFNAME)
 SUBNET = "10.77.0"
 STATE_FILE = "/run/schemoe/testbed.json"
-MTU = 9000  # jumbo frames, as on cluster networks; fewer packets per byte on this CPU-bound box
+# Near loopback's MTU: far fewer packets per byte, so the two CPU cores that also run the ranks
+# spend little on softirq and the link, not the CPU, is the limit (9000 gave ~0.8 of the rate).
+MTU = 65000
+ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts ETC/NS/hosts over /etc/hosts
 
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -110,7 +116,7 @@ def check_prerequisites() -> None:
 
 def _run(*cmd: str, ns: str | None = None, check: bool = True) -> str:
     full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
-    p = subprocess.run(full, capture_output=True, text=True, timeout=30)
+    p = subprocess.run(full, capture_output=True, text=True, timeout=30, check=False)
     if check and p.returncode:
         raise RuntimeError(f"`{' '.join(full)}` failed ({p.returncode}): {p.stderr.strip()}")
     return p.stdout
@@ -118,26 +124,51 @@ def _run(*cmd: str, ns: str | None = None, check: bool = True) -> str:
 
 def namespaces() -> list[str]:
     """Every testbed namespace that exists now."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=False
+    )
     names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
     return sorted(n for n in names if n.startswith(PREFIX))
+
+
+def bucket_bytes(rate_bps: float) -> int:
+    """tbf's bucket: what may leave at line speed after an idle spell. 1 ms of traffic, but at
+    least two full frames (tbf drops a frame bigger than its bucket)."""
+    return int(max(rate_bps / 8 * 1e-3, 2 * MTU + 1000))
 
 
 def _shape(ns: str, dev: str, rate_bps: float, delay_s: float) -> None:
     """tbf at rate_bps on dev's egress, with a netem delay under it if delay_s > 0."""
     rate_Bps = rate_bps / 8
-    # Bucket: 1 ms of traffic, at least a few jumbo frames; the queue holds ~50 ms more. tbf
-    # segments GSO super-packets that exceed the bucket, so a small bucket stays exact.
-    burst = int(max(rate_Bps * 1e-3, 4 * MTU))
+    burst = bucket_bytes(rate_bps)
+    # The queue holds ~50 ms beyond the bucket, so TCP sees delay before it sees loss.
     limit = int(max(rate_Bps * 0.05, 16 * MTU)) + burst
     tbf = ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
     _run("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf, ns=ns)
     if delay_s > 0:
         netem = ["netem", "delay", f"{delay_s * 1e6:.0f}us", "limit", "100000"]
         p = subprocess.run(
-            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
-             "handle", "10:", *netem], capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                *netem,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         if p.returncode:
             raise RuntimeError(
                 f"cannot add latency ({p.stderr.strip()}): this kernel lacks sch_netem "
@@ -164,11 +195,29 @@ def up(nodes: int, rate: str, latency: str | None = None) -> Testbed:
             ns, port = bed.node_ns(n), f"p{n}"
             _run("ip", "netns", "add", ns)
             _run("ip", "link", "set", "lo", "up", ns=ns)
-            _run("ip", "link", "add", IFNAME, "netns", ns, "mtu", str(MTU), "type", "veth",
-                 "peer", "name", port, "netns", SWITCH, "mtu", str(MTU))  # fmt: skip
+            _run(
+                "ip",
+                "link",
+                "add",
+                IFNAME,
+                "netns",
+                ns,
+                "mtu",
+                str(MTU),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                SWITCH,
+                "mtu",
+                str(MTU),
+            )
             _run("ip", "link", "set", port, "master", "br0", "up", ns=SWITCH)
             _run("ip", "addr", "add", f"{bed.addresses[n]}/24", "dev", IFNAME, ns=ns)
             _run("ip", "link", "set", IFNAME, "up", ns=ns)
+            _write_hosts(bed, ns)
             _shape(ns, IFNAME, rate_bps, latency_s / 2)  # uplink: node -> switch
             _shape(SWITCH, port, rate_bps, latency_s / 2)  # downlink: switch -> node
         return bed
@@ -184,9 +233,22 @@ def down() -> list[str]:
         for ns in namespaces():
             _run("ip", "netns", "del", ns, check=False)  # takes its veths, bridge, qdiscs along
             removed.append(ns)
+    for d in glob.glob(os.path.join(ETC, PREFIX + "*")):
+        shutil.rmtree(d, ignore_errors=True)
     if os.path.exists(STATE_FILE):
         os.remove(STATE_FILE)
     return removed
+
+
+def _write_hosts(bed: Testbed, ns: str) -> None:
+    # Names for the node addresses, so c10d's reverse lookups answer from files, not a DNS
+    # that is unreachable from inside the namespaces (it warns otherwise).
+    os.makedirs(os.path.join(ETC, ns), exist_ok=True)
+    with open(os.path.join(ETC, ns, "hosts"), "w") as f:
+        f.write("127.0.0.1 localhost\n")
+        # c10d's store sees IPv4 peers as ::ffff:a.b.c.d, so name both forms.
+        names = [(a, bed.node_ns(n)) for n, a in enumerate(bed.addresses)]
+        f.writelines(f"{a} {name}\n::ffff:{a} {name}\n" for a, name in names)
 
 
 def load() -> Testbed:

@@ -1,0 +1,87 @@
+"""The shared benchmark timer and `schemoe bench a2a` on two local ranks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from schemoe import cli
+from schemoe.bench import cli as bench_cli
+from schemoe.bench import timer
+from schemoe.bench.a2a import parse_size
+
+
+def test_candidates_run_interleaved_round_by_round_warmup_first():
+    calls = []
+    cands = {n: (lambda n=n: calls.append(n)) for n in "ABC"}
+    stats = timer.measure(cands, warmup=1, repeats=3)
+    assert calls == list("ABC") * 4
+    assert set(stats) == set("ABC") and all(len(s.samples_ms) == 3 for s in stats.values())
+
+
+def test_stats_give_median_and_interpolated_p10_p90():
+    s = timer.Stats.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median_ms, s.p10_ms, s.p90_ms) == (3.0, pytest.approx(1.4), pytest.approx(4.6))
+    assert timer.percentile([7.0], 90) == 7.0
+    with pytest.raises(ValueError):
+        timer.Stats.of([])
+    with pytest.raises(ValueError, match="repeats"):
+        timer.measure({"A": lambda: None}, repeats=0)
+
+
+def test_table_aligns_columns_and_shows_none_as_dash():
+    lines = timer.table([{"a": 1.23456, "b": None}, {"a": 10, "b": "x"}], ["a", "b"])
+    assert lines == ["    a  b", "1.235  -", "   10  x"]
+
+
+def test_sizes_parse_with_binary_units_and_reject_nonsense():
+    assert parse_size("64K") == 65536 and parse_size("4M") == 4 * 2**20 and parse_size("10") == 10
+    with pytest.raises(ValueError, match="size"):
+        parse_size("1.5M")
+
+
+def test_the_cli_lists_the_testbed_and_bench_commands():
+    assert "schemoe.testbed.cli" in cli.COMMANDS and "schemoe.bench.cli" in cli.COMMANDS
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="schemoe")
+    bench_cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_bench_a2a_on_two_local_ranks_ends_with_a_json_line_of_results(capfd):
+    args = _parse(
+        [
+            "bench",
+            "a2a",
+            "--nproc",
+            "2",
+            "--sizes",
+            "4K,64K",
+            "--warmup",
+            "1",
+            "--repeats",
+            "3",
+            "--timeout",
+            "60",
+        ]
+    )
+    assert args.func(args) == 0
+    lines = capfd.readouterr().out.strip().splitlines()
+    assert lines[0] == "# schemoe bench a2a" and any("torch" in line for line in lines)
+    out = json.loads(lines[-1])
+    assert out["link_rate_gbps"] is None and out["world_size"] == 2
+    rows = out["results"]
+    assert [r["bytes"] for r in rows] == [4096, 65536]
+    for r in rows:
+        assert r["algorithm"] == "naive" and r["link_fraction"] is None
+        assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"] and r["algbw_gbps"] > 0
+
+
+def test_bench_a2a_rejects_an_unknown_algorithm_before_starting_ranks(capfd):
+    args = _parse(["bench", "a2a", "--algorithms", "nope"])
+    assert args.func(args) == 2
+    assert "unknown all-to-all algorithm 'nope'" in capfd.readouterr().err
