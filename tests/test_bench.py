@@ -85,3 +85,17 @@ def test_bench_a2a_rejects_an_unknown_algorithm_before_starting_ranks(capfd):
     args = _parse(["bench", "a2a", "--algorithms", "nope"])
     assert args.func(args) == 2
     assert "unknown all-to-all algorithm 'nope'" in capfd.readouterr().err
+
+
+def test_bench_layer_reports_each_candidate_and_the_parts_it_bounds_the_step_by(capfd):
+    args = _parse(["bench", "layer", "--nproc", "2", "--tokens", "64", "--model-dim", "32",
+                   "--hidden", "64", "--chunks", "1,2", "--warmup", "1", "--repeats", "2",
+                   "--timeout", "60"])  # fmt: skip
+    assert args.func(args) == 0
+    out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert [(r["policy"], r["chunks"]) for r in out["results"]] == [
+        ("sequential", 1),
+        ("sequential", 2),
+    ]
+    assert out["lower_bound_ms"] == max(out["compute_ms"], out["comm_ms"]) > 0
+    assert 0 < out["a2a_share"] and all(r["median_ms"] > 0 for r in out["results"])

@@ -33,20 +33,28 @@ class BenchEnv:
     """Where a benchmark's ranks run: what the header says and the link rate for link fractions."""
 
     ranks_per_node: int
-    testbed: object | None  # schemoe.testbed.Testbed, or None on plain loopback / a real cluster
+    testbed: object | None  # schemoe.testbed.Testbed when the ranks run on the testbed
+    launched: bool = False  # ranks came from an outside launcher (torchrun, Slurm, testbed run)
 
     @property
     def link_rate_gbps(self) -> float | None:
         return self.testbed.rate_bps / 1e9 if self.testbed else None
 
     def topology(self, world: int) -> str:
-        where = "testbed namespaces" if self.testbed else "one host, loopback (unshaped)"
+        if self.testbed:
+            where = "testbed namespaces"
+        elif self.launched:
+            where = "from the launcher's env (links unknown)"
+        else:
+            where = "one host, loopback (unshaped)"
         return f"{world // self.ranks_per_node} node(s) x {self.ranks_per_node} rank(s), {where}"
 
     def link(self) -> str:
-        if self.testbed is None:
-            return "none shaped; intra and inter-node pairs both on loopback"
-        return self.testbed.describe() + " (tbf); intra-node pairs on the node's loopback"
+        if self.testbed:
+            return self.testbed.describe() + " (tbf); intra-node pairs on the node's loopback"
+        if self.launched:
+            return "not shaped by schemoe; whatever the cluster has"
+        return "none shaped; intra and inter-node pairs both on loopback"
 
 
 def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +70,7 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="give up after S seconds")
 
 
-def _rank(rank: int, world: int, name: str, opts: dict) -> None:
+def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) -> None:
     """One rank of benchmark `name` (also the entry point of testbed and spawned children)."""
     import torch
 
@@ -70,13 +78,21 @@ def _rank(rank: int, world: int, name: str, opts: dict) -> None:
     args = argparse.Namespace(**opts)
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     testbed = None
-    if args.testbed:
+    if args.testbed or launched:
         from ..testbed import netns
 
-        testbed = netns.load()
-        if world != testbed.nodes * rpn:
+        try:
+            testbed = netns.load()
+        except RuntimeError:
+            if args.testbed:
+                raise
+        # Launched without --testbed: on the testbed iff the rendezvous is node 0's address.
+        if testbed and not args.testbed and os.environ.get("MASTER_ADDR") != testbed.master_addr:
+            testbed = None
+        if testbed and world != testbed.nodes * rpn:
             raise ValueError(f"world size {world} != {testbed.nodes} testbed nodes x {rpn} ranks")
-    importlib.import_module(_MULTI_RANK[name]).bench(args, BenchEnv(rpn, testbed))
+    env = BenchEnv(rpn, testbed, launched)
+    importlib.import_module(_MULTI_RANK[name]).bench(args, env)
 
 
 def _joined(name: str, opts: dict) -> None:
@@ -87,7 +103,7 @@ def _joined(name: str, opts: dict) -> None:
 
     init_process_group("gloo", timeout_s=opts["timeout"])
     try:
-        _rank(dist.get_rank(), dist.get_world_size(), name, opts)
+        _rank(dist.get_rank(), dist.get_world_size(), name, opts, launched=True)
     finally:
         dist.destroy_process_group()
 

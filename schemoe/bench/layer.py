@@ -1,17 +1,201 @@
-"""One MoE layer forward+backward per step (placeholder until schemoe.layer lands)."""
+"""One MoE layer, forward and backward, per candidate configuration, plus its lower bound.
+
+Each step is `zero_grad; y, aux = layer(x); (y * g).sum() + aux; backward` on T tokens per rank.
+Candidates are every combination of --policies x --algorithms x --compressors x --chunks (a
+compressor "a/b" means forward a, backward b; plain "a" means both), and with `--peer deepspeed`
+DeepSpeed's `deepspeed.moe.layer.MoE` at the same E, k, f, M, H (gelu, no bias, no token noise).
+
+The lower bound and the all-to-all share come from two parts timed separately, interleaved with
+the candidates in the same run, for the first candidate's algorithm without compression:
+- compute: the same layer on a one-rank group (every rank builds all E experts and routes its own
+  T tokens). Each rank then computes the same shapes as in the distributed step: E experts x C
+  rows, since E/P experts x P*C rows = E*C; its all-to-alls are local copies.
+- comm: the all-to-alls of one step alone: the counts exchange, then dispatch and combine forward
+  and their two gradients backward, each [E*C, M] (dropless: [k*T, M]) split evenly over ranks.
+lower_bound_ms = max(compute, comm); a2a_share = comm / the first candidate's step time.
+"""
+
+from __future__ import annotations
 
 import argparse
+import itertools
 
-__all__ = ["add_arguments", "validate", "bench"]
+import torch
+import torch.distributed as dist
+
+from . import timer
+
+__all__ = ["add_arguments", "bench", "validate"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--policies", type=_csv, default=["sequential"], help="comma-separated")
+    p.add_argument("--algorithms", type=_csv, default=["naive"], help="comma-separated")
+    p.add_argument("--compressors", type=_csv, default=["none"], help="name or fwd/bwd, ...")
+    p.add_argument("--chunks", type=lambda s: [int(v) for v in _csv(s)], default=[1])
+    p.add_argument("--peer", choices=["deepspeed"], action="append", default=[])
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    p.add_argument("--model-dim", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=None, help="default: 2 per rank")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
 
 
 def validate(args: argparse.Namespace) -> None:
-    raise ValueError("schemoe bench layer needs schemoe.layer")
+    from ..collectives import ALGORITHMS
+    from ..compression import COMPRESSORS
+    from ..scheduling.policies import POLICIES
+
+    for name in args.policies:
+        POLICIES.get(name)
+    for name in args.algorithms:
+        ALGORITHMS.get(name)
+    for spec in args.compressors:
+        for name in spec.split("/"):
+            COMPRESSORS.get(name)
+    if any(r < 1 for r in args.chunks):
+        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if "deepspeed" in args.peer and args.top_k not in (1, 2):
+        raise ValueError(
+            f"--peer deepspeed needs --top-k 1 or 2 (DeepSpeed's gate), got {args.top_k}"
+        )
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
 
 
-def bench(args, env) -> None:
-    raise NotImplementedError
+def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp="none", r=1):
+    from .. import config as c
+
+    fwd, _, bwd = comp.partition("/")
+    return c.MoEConfig(
+        gate=c.GateConfig(
+            num_experts=args.experts or 2 * world,
+            top_k=args.top_k,
+            capacity_factor=args.capacity_factor,
+        ),
+        experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=args.hidden),
+        parallel=c.ParallelConfig(ranks_per_node=rpn),
+        schedule=c.ScheduleConfig(policy=policy, chunks=r),
+        collective=c.CollectiveConfig(algorithm=algo),
+        compression=c.CompressionConfig(forward=fwd, backward=bwd or fwd),
+    )
+
+
+def _deepspeed(args, world: int, dtype: torch.dtype) -> torch.nn.Module:
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+
+    deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised default group
+    M, H = args.model_dim, args.hidden
+    expert = torch.nn.Sequential(
+        torch.nn.Linear(M, H, bias=False), torch.nn.GELU(), torch.nn.Linear(H, M, bias=False)
+    )
+    moe = MoE(
+        hidden_size=M,
+        expert=expert,
+        num_experts=args.experts or 2 * world,
+        ep_size=world,
+        k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        min_capacity=0,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
+    moe.set_deepspeed_parallelism()  # creates its expert-parallel groups (collective)
+    return moe.to(dtype)
+
+
+def _step(module, x, g):
+    def run():
+        module.zero_grad(set_to_none=True)
+        out = module(x)
+        loss = (out[0] * g).sum() + out[1]
+        loss.backward()
+
+    return run
+
+
+def _comm_only(layer, args, world: int, dtype: torch.dtype):
+    """The step's all-to-alls alone, with the shapes and algorithm the layer uses."""
+    from ..gating.router import capacity
+
+    gate = layer.config.gate
+    rows = (
+        gate.num_experts * capacity(gate, args.tokens)
+        if not gate.dropless
+        else gate.top_k * args.tokens
+    )
+    per = [rows // world + (d < rows % world) for d in range(world)]
+    x = torch.randn(sum(per), args.model_dim, dtype=dtype)
+    counts = torch.zeros(world * layer.num_local, dtype=torch.long)
+    algo = layer.algorithm
+
+    def run():
+        dist.all_to_all_single(torch.empty_like(counts), counts)
+        for _ in range(4):  # dispatch, combine; then their gradients in backward
+            algo.start(x, per, per).wait()
+
+    return run
+
+
+def bench(args: argparse.Namespace, env) -> None:
+    from ..layer import MoELayer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = _DTYPES[args.dtype]
+    torch.manual_seed(1234 + rank)
+    x = torch.randn(args.tokens, args.model_dim, dtype=dtype, requires_grad=True)
+    g = torch.randn_like(x)
+    cands, rows = {}, []
+    combos = itertools.product(args.policies, args.algorithms, args.compressors, args.chunks)
+    for pol, algo, comp, r in combos:
+        layer = MoELayer(_config(args, world, env.ranks_per_node, pol, algo, comp, r)).to(dtype)
+        if not cands:
+            first = layer
+        name = f"{pol}/{algo}/{comp}/r{r}"
+        cands[name] = _step(layer, x, g)
+        rows.append({"policy": pol, "algorithm": algo, "compressor": comp, "chunks": r, "_n": name})
+    for peer in args.peer:
+        cands[peer] = _step(_deepspeed(args, world, dtype), x, g)
+        rows.append({"policy": peer, "algorithm": "deepspeed", "compressor": "none", "chunks": 1,
+                     "_n": peer})  # fmt: skip
+    # The parts: one-rank groups (new_group is collective: every rank creates all of them).
+    solo = [dist.new_group([q]) for q in range(world)][rank]
+    single = MoELayer(_config(args, 1, 1, algo=first.config.collective.algorithm), group=solo)
+    cands["parts:compute"] = _step(single.to(dtype), x, g)
+    cands["parts:comm"] = _comm_only(first, args, world, dtype)
+    stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+
+    for row in rows:
+        row.update(stats[row.pop("_n")].row())
+    compute, comm = stats["parts:compute"].median_ms, stats["parts:comm"].median_ms
+    parts = [{"policy": "parts", "algorithm": "compute only", "compressor": "-", "chunks": "-",
+              **stats["parts:compute"].row()},
+             {"policy": "parts", "algorithm": "all-to-all only", "compressor": "-", "chunks": "-",
+              **stats["parts:comm"].row()}]  # fmt: skip
+    config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden", "top_k", "dtype")}
+    config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
+               "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
+    head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
+    summary = {
+        "results": rows,
+        "lower_bound_ms": max(compute, comm),
+        "a2a_share": comm / rows[0]["median_ms"],
+        "compute_ms": compute,
+        "comm_ms": comm,
+        "link_rate_gbps": env.link_rate_gbps,
+        "world_size": world,
+        "ranks_per_node": env.ranks_per_node,
+    }
+    cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
+    timer.report(head, rows + parts, cols, summary)
