@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import COMPRESSORS, check_input, check_payload
+from .base import COMPRESSORS, check_input, check_payload, row_chunks
 
-__all__ = ["FP16", "BF16"]
+__all__ = ["BF16", "FP16"]
 
 _FP16_MAX = torch.finfo(torch.float16).max  # 65504
 
@@ -41,12 +41,13 @@ class _Cast:
         x_NM = check_input(self.name, x)
         if x_NM.dtype == self.wire:
             return x_NM.contiguous().view(torch.uint8)
-        out_NW = torch.empty(x_NM.shape[0], 2 * x_NM.shape[1], dtype=torch.uint8, device=x.device)
-        out_NW.view(self.wire).copy_(self._prepare(x_NM))
+        n, m = x_NM.shape
+        out_NW = torch.empty(n, 2 * m, dtype=torch.uint8, device=x.device)
+        self._cast_into(x_NM, out_NW.view(self.wire))
         return out_NW
 
-    def _prepare(self, x_NM: torch.Tensor) -> torch.Tensor:
-        return x_NM
+    def _cast_into(self, x_NM: torch.Tensor, y_NM: torch.Tensor) -> None:
+        y_NM.copy_(x_NM)  # round to nearest even, no temporaries
 
     def decode(self, b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
         """[N, 2 cols] uint8 -> [N, cols] dtype (aliases `b` when dtype is the wire dtype)."""
@@ -66,16 +67,16 @@ class FP16(_Cast):
     name = "fp16"
     wire = torch.float16
 
-    def _prepare(self, x_NM: torch.Tensor) -> torch.Tensor:
+    def _cast_into(self, x_NM: torch.Tensor, y_NM: torch.Tensor) -> None:
         # clamp() would also turn +-inf into +-65504; x - clamp(x, +-its dtype's max) is 0 for
         # finite x and +-inf (or NaN) otherwise, so adding it back restores inf without a mask
         # (bool masks cost more than the two clamps on CPU).
-        if x_NM.dtype != torch.float64:
-            x_NM = x_NM.float()
-        big = torch.finfo(x_NM.dtype).max
-        keep = torch.clamp(x_NM, -big, big)
-        torch.sub(x_NM, keep, out=keep)
-        return keep.add_(torch.clamp(x_NM, -_FP16_MAX, _FP16_MAX))
+        for rows in row_chunks(*x_NM.shape):
+            x_nM = x_NM[rows] if x_NM.dtype == torch.float64 else x_NM[rows].float()
+            big = torch.finfo(x_nM.dtype).max
+            keep_nM = torch.clamp(x_nM, -big, big)
+            torch.sub(x_nM, keep_nM, out=keep_nM)
+            y_NM[rows].copy_(keep_nM.add_(torch.clamp(x_nM, -_FP16_MAX, _FP16_MAX)))
 
 
 @COMPRESSORS.register("bf16")
