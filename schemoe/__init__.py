@@ -11,29 +11,29 @@ from .config import (
     ScheduleConfig,
 )
 from .layer import MoELayer
-from .parallel import dense_parameters, ddp_ignore_experts, expert_parameters, is_expert_param
+from .parallel import ddp_ignore_experts, dense_parameters, expert_parameters, is_expert_param
 from .reference import reference_moe
 from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MoELayer",
-    "MoEConfig",
-    "GateConfig",
-    "ExpertConfig",
-    "ParallelConfig",
-    "ScheduleConfig",
     "CollectiveConfig",
     "CompressionConfig",
+    "ExpertConfig",
+    "GateConfig",
+    "MoEConfig",
+    "MoELayer",
+    "ParallelConfig",
+    "ScheduleConfig",
     "Topology",
-    "reference_moe",
-    "expert_parameters",
-    "dense_parameters",
-    "ddp_ignore_experts",
-    "is_expert_param",
     "collectives",
     "compression",
+    "ddp_ignore_experts",
+    "dense_parameters",
+    "expert_parameters",
+    "is_expert_param",
+    "reference_moe",
     "scheduling",
     "trace",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "free_port", "init_process_group"]
+__all__ = ["free_port", "init_process_group", "spawn"]
 
 
 def free_port() -> int:
@@ -51,8 +52,10 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s):
     try:
         init_process_group("gloo", timeout_s)
         out = fn(rank, world, *args)
-        results.put((rank, True, out))
-    except BaseException:  # report every failure, including KeyboardInterrupt, to the parent
+        # Plain pickle bytes: torch's queue would share tensors through file descriptors that
+        # die with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 (every failure, even KeyboardInterrupt, goes to the parent)
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -103,12 +106,13 @@ def spawn(
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead and not errors:
-                    errors.append(f"rank(s) {dead} died with exit codes "
-                                  f"{[procs[i].exitcode for i in dead]}")
+                    errors.append(
+                        f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}"
+                    )
                     break
                 continue
             if ok:
-                out[rank] = val
+                out[rank] = pickle.loads(val)
             else:
                 errors.append(f"--- rank {rank} ---\n{val}")
                 break  # the others will fail or hang on the missing peer; stop them

@@ -15,18 +15,19 @@ ValueError listing the known ones there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "GateConfig",
-    "ExpertConfig",
-    "ParallelConfig",
-    "ScheduleConfig",
     "CollectiveConfig",
     "CompressionConfig",
+    "ExpertConfig",
+    "GateConfig",
     "MoEConfig",
+    "ParallelConfig",
+    "ScheduleConfig",
 ]
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -47,7 +48,7 @@ def _int(name: str, v: Any, lo: int) -> None:
 def _num(name: str, v: Any, lo: float) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
-    _need(v == v and v >= lo, f"{name} must be >= {lo}, got {v}")
+    _need(not math.isnan(v) and v >= lo, f"{name} must be >= {lo}, got {v}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,10 @@ class GateConfig:
         )
         _num("capacity_factor", self.capacity_factor, 0.0)
         _num("noise_std", self.noise_std, 0.0)
-        _need(self.priority in PRIORITIES, f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+        _need(
+            self.priority in PRIORITIES,
+            f"priority must be one of {PRIORITIES}, got {self.priority!r}",
+        )
         _num("aux_loss_weight", self.aux_loss_weight, 0.0)
         _num("z_loss_weight", self.z_loss_weight, 0.0)
         _num("bias_update_rate", self.bias_update_rate, 0.0)
@@ -137,7 +141,10 @@ class ScheduleConfig:
     chunks: int = 1
 
     def __post_init__(self) -> None:
-        _need(isinstance(self.policy, str) and bool(self.policy), f"policy must be a name, got {self.policy!r}")
+        _need(
+            isinstance(self.policy, str) and bool(self.policy),
+            f"policy must be a name, got {self.policy!r}",
+        )
         _int("chunks", self.chunks, 1)
 
 
@@ -195,4 +202,6 @@ class MoEConfig:
         ):
             v = getattr(self, name)
             if not isinstance(v, typ):
-                raise TypeError(f"MoEConfig.{name} must be a {typ.__name__}, got {type(v).__name__}")
+                raise TypeError(
+                    f"MoEConfig.{name} must be a {typ.__name__}, got {type(v).__name__}"
+                )

@@ -101,8 +101,7 @@ class MoELayer(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"MoELayer input must be floating point, got {x.dtype}")
         w = next(self.experts.parameters(), None)
-        if (w is not None and w.dtype != x.dtype
-                and not torch.is_autocast_enabled(x.device.type)):
+        if w is not None and w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"input dtype {x.dtype} does not match the expert weights' dtype {w.dtype}; "
                 f"cast the layer (layer.to({x.dtype})) or run under torch.autocast"
@@ -117,33 +116,48 @@ class MoELayer(nn.Module):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.topology.group)
         flat = recv.tolist()
-        return [flat[s * El:(s + 1) * El] for s in range(P)]
+        return [flat[s * El : (s + 1) * El] for s in range(P)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x)
         cfg = self.config
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
-        routing = route(x_TM, self.gate_weight, cfg.gate, training=self.training,
-                        bias_E=self.expert_bias)
+        routing = route(
+            x_TM, self.gate_weight, cfg.gate, training=self.training, bias_E=self.expert_bias
+        )
         aux = routing.probs_TE.new_zeros(())
         if cfg.gate.aux_loss_weight > 0:
             aux = aux + cfg.gate.aux_loss_weight * load_balancing_loss(
-                routing.probs_TE, routing.expert_TK)
+                routing.probs_TE, routing.expert_TK
+            )
         if cfg.gate.z_loss_weight > 0:
             aux = aux + cfg.gate.z_loss_weight * router_z_loss(routing.logits_TE)
         if self.expert_load is not None and self.training:
             with torch.no_grad():
-                self.expert_load += torch.bincount(routing.expert_TK.reshape(-1),
-                                                   minlength=cfg.gate.num_experts).float()
+                self.expert_load += torch.bincount(
+                    routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
+                ).float()
         # 2. Tokens into the expert-major buffer.
         rows_NM = encode(x_TM, routing)
         # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
         recv_counts = self._exchange_counts(routing.counts, x.device)
-        plan = build_plan(routing.counts, recv_counts, self.topology.rank,
-                          cfg.schedule.chunks, self._policy.partition, x.device)
-        region = Region(plan, self.algorithm, self.forward_compressor,
-                        self.backward_compressor, self.experts, cfg.schedule.policy)
+        plan = build_plan(
+            routing.counts,
+            recv_counts,
+            self.topology.rank,
+            cfg.schedule.chunks,
+            self._policy.partition,
+            x.device,
+        )
+        region = Region(
+            plan,
+            self.algorithm,
+            self.forward_compressor,
+            self.backward_compressor,
+            self.experts,
+            cfg.schedule.policy,
+        )
         out_NM = run_region(region, rows_NM)
         # 4. Weighted sum back in token order.
         y_TM = decode(out_NM, routing, x.dtype)
@@ -159,8 +173,9 @@ class MoELayer(nn.Module):
         load = self.expert_load.clone()
         if self.topology.world > 1:
             dist.all_reduce(load, group=self.topology.group)
-        self.expert_bias.copy_(update_balance_bias(self.expert_bias, load,
-                                                   self.config.gate.bias_update_rate))
+        self.expert_bias.copy_(
+            update_balance_bias(self.expert_bias, load, self.config.gate.bias_update_rate)
+        )
         self.expert_load.zero_()
 
     def expert_slice(self) -> slice:
@@ -179,7 +194,9 @@ class MoELayer(nn.Module):
             target = own[name]
             src = t[sl] if getattr(target, "schemoe_expert", False) else t
             if tuple(src.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit {tuple(target.shape)}")
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} does not fit {tuple(target.shape)}"
+                )
             target.copy_(src)
 
     @torch.no_grad()
@@ -197,8 +214,10 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"E={c.gate.num_experts}, k={c.gate.top_k}, f={c.gate.capacity_factor}, "
-                f"M={c.experts.model_dim}, H={c.experts.hidden_dim}, P={self.topology.world}, "
-                f"policy={c.schedule.policy}, r={c.schedule.chunks}, "
-                f"algorithm={c.collective.algorithm}, compression={c.compression.forward}/"
-                f"{c.compression.backward}")
+        return (
+            f"E={c.gate.num_experts}, k={c.gate.top_k}, f={c.gate.capacity_factor}, "
+            f"M={c.experts.model_dim}, H={c.experts.hidden_dim}, P={self.topology.world}, "
+            f"policy={c.schedule.policy}, r={c.schedule.chunks}, "
+            f"algorithm={c.collective.algorithm}, compression={c.compression.forward}/"
+            f"{c.compression.backward}"
+        )

@@ -15,7 +15,7 @@ import torch
 
 from .gating.router import Routing
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 
 def _kept(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["is_expert_param", "expert_parameters", "dense_parameters", "ddp_ignore_experts"]
+__all__ = ["ddp_ignore_experts", "dense_parameters", "expert_parameters", "is_expert_param"]
 
 
 def is_expert_param(p: nn.Parameter) -> bool:

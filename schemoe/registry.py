@@ -1,12 +1,12 @@
 """A tiny name -> object registry used by every extension point (policies, all-to-alls, compressors).
 
-    ALGOS = Registry[type]("all-to-all algorithm")
+ALGOS = Registry[type]("all-to-all algorithm")
 
-    @ALGOS.register("mine")
-    class Mine: ...
+@ALGOS.register("mine")
+class Mine: ...
 
-    ALGOS.get("mine")      # -> Mine
-    ALGOS.get("nope")      # ValueError: unknown all-to-all algorithm 'nope'; known: mine, naive
+ALGOS.get("mine")      # -> Mine
+ALGOS.get("nope")      # ValueError: unknown all-to-all algorithm 'nope'; known: mine, naive
 """
 
 from __future__ import annotations

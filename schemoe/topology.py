@@ -90,7 +90,9 @@ class Topology:
 
         pg = self.group if self.group is not None else c10d._get_default_group()
         try:
-            backend = pg._get_backend(torch.device("cpu" if dist.get_backend(pg) == "gloo" else "cuda"))
+            backend = pg._get_backend(
+                torch.device("cpu" if dist.get_backend(pg) == "gloo" else "cuda")
+            )
             return backend.options._timeout
         except (AttributeError, RuntimeError):
             return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Timeline", "Event", "record", "active", "gantt"]
+__all__ = ["Event", "Timeline", "active", "gantt", "record"]
 
 _ACTIVE: Timeline | None = None
 
@@ -44,7 +44,9 @@ class Timeline:
 
     def add(self, direction: str, task, t0: float, t1: float) -> None:
         self.events.append(
-            Event(self.rank, direction, str(task), task.resource, t0 - self.origin, t1 - self.origin)
+            Event(
+                self.rank, direction, str(task), task.resource, t0 - self.origin, t1 - self.origin
+            )
         )
 
     def gathered(self) -> list[Event]:
@@ -61,8 +63,15 @@ class Timeline:
     def chrome(self, events: list[Event] | None = None) -> dict:
         evs = self.events if events is None else events
         rows = [
-            {"name": e.task, "cat": e.direction, "ph": "X", "pid": e.rank, "tid": e.resource,
-             "ts": e.start * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6}
+            {
+                "name": e.task,
+                "cat": e.direction,
+                "ph": "X",
+                "pid": e.rank,
+                "tid": e.resource,
+                "ts": e.start * 1e6,
+                "dur": max(e.end - e.start, 0.0) * 1e6,
+            }
             for e in evs
         ]
         return {"traceEvents": rows, "displayTimeUnit": "ms"}
@@ -115,15 +124,24 @@ def gantt(events: list[Event], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted({(e.rank, e.resource) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1]))
+    rows = sorted(
+        {(e.rank, e.resource) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1])
+    )
     index = {r: i for i, r in enumerate(rows)}
     colors = {"C": "#8fbc8f", "A": "#4682b4", "D": "#daa520", "E": "#cd5c5c"}
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2))
     for e in events:
         y = index[(e.rank, e.resource)]
-        ax.barh(y, (e.end - e.start) * 1e3, left=e.start * 1e3, height=0.8,
-                color=colors.get(e.task[0], "gray"), edgecolor="black", linewidth=0.3,
-                hatch="//" if e.direction == "backward" else None)
+        ax.barh(
+            y,
+            (e.end - e.start) * 1e3,
+            left=e.start * 1e3,
+            height=0.8,
+            color=colors.get(e.task[0], "gray"),
+            edgecolor="black",
+            linewidth=0.3,
+            hatch="//" if e.direction == "backward" else None,
+        )
         if (e.end - e.start) * 1e3 > 0:
             ax.text((e.start + e.end) / 2 * 1e3, y, e.task, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(rows)), [f"rank {r} {res}" for r, res in rows])

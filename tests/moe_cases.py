@@ -58,8 +58,10 @@ def run_layer(layer: MoELayer, x: torch.Tensor, gy: torch.Tensor):
     layer.zero_grad(set_to_none=True)
     y, aux = layer(x)
     ((y * gy).sum() + aux).backward()
-    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in layer.named_parameters()}
+    grads = {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in layer.named_parameters()
+    }
     return y.detach(), aux.detach(), x.grad.clone(), grads
 
 
@@ -70,7 +72,7 @@ def run_reference(weights, cfg: MoEConfig, xs, gys):
     loss = sum((y * gy).sum() + a for y, gy, a in zip(ys, gys, auxes))
     if loss.requires_grad:  # False only when no rank has a token
         loss.backward()
-    z = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731 (unused input)
+    z = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)
     return ys, auxes, [z(x) for x in xs], {n: z(t) for n, t in w.items()}
 
 
@@ -82,8 +84,16 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, atol=ATOL, rtol=RTOL) -> 
         raise AssertionError(f"{what}: max abs error {err:.3e} > atol {atol} / rtol {rtol}")
 
 
-def check_against_reference(cfg: MoEConfig, tokens: list[int], seed: int, positive=False,
-                            dead_experts=(), atol=ATOL, rtol=RTOL, **layer_kw) -> dict:
+def check_against_reference(
+    cfg: MoEConfig,
+    tokens: list[int],
+    seed: int,
+    positive=False,
+    dead_experts=(),
+    atol=ATOL,
+    rtol=RTOL,
+    **layer_kw,
+) -> dict:
     """Build the layer on this rank, compare output, aux, and all grads with the reference."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(seed)

@@ -43,12 +43,14 @@ class SlowLink(Naive):
 
 def _layer(policy: str, r: int) -> MoELayer:
     torch.manual_seed(0)
-    return MoELayer(MoEConfig(
-        gate=GateConfig(num_experts=4, top_k=2, capacity_factor=1.0),
-        experts=ExpertConfig(model_dim=16, hidden_dim=32),
-        schedule=ScheduleConfig(policy=policy, chunks=r),
-        collective=__import__("schemoe").CollectiveConfig(algorithm="test_slow_link"),
-    ))
+    return MoELayer(
+        MoEConfig(
+            gate=GateConfig(num_experts=4, top_k=2, capacity_factor=1.0),
+            experts=ExpertConfig(model_dim=16, hidden_dim=32),
+            schedule=ScheduleConfig(policy=policy, chunks=r),
+            collective=__import__("schemoe").CollectiveConfig(algorithm="test_slow_link"),
+        )
+    )
 
 
 def _events(policy: str, r: int):

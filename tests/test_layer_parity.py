@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from moe_cases import check_against_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig

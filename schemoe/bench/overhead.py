@@ -47,10 +47,13 @@ def scheduler_us_per_task(r: int = 8, repeats: int = 200) -> float:
 def layer_us_per_task(r: int = 8, repeats: int = 30, tokens: int = 256, dim: int = 64) -> float:
     def make(chunks):
         torch.manual_seed(0)
-        return MoELayer(MoEConfig(
-            gate=GateConfig(num_experts=8, top_k=2),
-            experts=ExpertConfig(model_dim=dim, hidden_dim=2 * dim),
-            schedule=ScheduleConfig(policy="schemoe", chunks=chunks)))
+        return MoELayer(
+            MoEConfig(
+                gate=GateConfig(num_experts=8, top_k=2),
+                experts=ExpertConfig(model_dim=dim, hidden_dim=2 * dim),
+                schedule=ScheduleConfig(policy="schemoe", chunks=chunks),
+            )
+        )
 
     layers = {1: make(1), r: make(r)}
     x = torch.randn(tokens, dim, requires_grad=True)
@@ -68,9 +71,13 @@ def layer_us_per_task(r: int = 8, repeats: int = 30, tokens: int = 256, dim: int
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    res = {"scheduler_us_per_task": scheduler_us_per_task(),
-           "layer_us_per_extra_task": layer_us_per_task(),
-           "torch": torch.__version__}
-    print(f"executor: {res['scheduler_us_per_task']:.1f} us/task (ordering only); "
-          f"layer: {res['layer_us_per_extra_task']:.1f} us per extra task at a tiny shape")
+    res = {
+        "scheduler_us_per_task": scheduler_us_per_task(),
+        "layer_us_per_extra_task": layer_us_per_task(),
+        "torch": torch.__version__,
+    }
+    print(
+        f"executor: {res['scheduler_us_per_task']:.1f} us/task (ordering only); "
+        f"layer: {res['layer_us_per_extra_task']:.1f} us per extra task at a tiny shape"
+    )
     print(json.dumps(res))

@@ -37,7 +37,7 @@ import torch
 
 from ..registry import Registry
 
-__all__ = ["AllToAll", "Pending", "Done", "ALGORITHMS", "check_splits"]
+__all__ = ["ALGORITHMS", "AllToAll", "Done", "Pending", "check_splits"]
 
 
 @runtime_checkable

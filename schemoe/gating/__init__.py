@@ -5,9 +5,9 @@ from .router import Routing, capacity, route
 
 __all__ = [
     "Routing",
-    "route",
     "capacity",
     "load_balancing_loss",
+    "route",
     "router_z_loss",
     "update_balance_bias",
 ]

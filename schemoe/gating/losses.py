@@ -23,7 +23,9 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_TK: torch.Tensor) -> torc
     if T == 0:
         return probs_TE.sum() * 0.0
     counts_E = torch.zeros(E, device=probs_TE.device, dtype=probs_TE.dtype)
-    counts_E.index_add_(0, expert_TK.reshape(-1), torch.ones_like(expert_TK, dtype=probs_TE.dtype).reshape(-1))
+    counts_E.index_add_(
+        0, expert_TK.reshape(-1), torch.ones_like(expert_TK, dtype=probs_TE.dtype).reshape(-1)
+    )
     f_E = counts_E / expert_TK.numel()
     return E * torch.sum(f_E * probs_TE.mean(0))
 

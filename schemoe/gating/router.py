@@ -19,7 +19,7 @@ import torch
 
 from ..config import GateConfig
 
-__all__ = ["Routing", "route", "capacity"]
+__all__ = ["Routing", "capacity", "route"]
 
 
 @dataclass(frozen=True)

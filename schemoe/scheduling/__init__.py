@@ -6,16 +6,16 @@ from .policies import POLICIES, Policy, fifo_links, make_schedule, register_poli
 from .tasks import COMPUTE, Schedule, Task, TaskGraph
 
 __all__ = [
+    "COMPUTE",
+    "POLICIES",
+    "Chunk",
+    "Policy",
+    "Schedule",
     "Task",
     "TaskGraph",
-    "Schedule",
-    "COMPUTE",
-    "Policy",
-    "POLICIES",
-    "register_policy",
+    "build_plan",
+    "execute",
     "fifo_links",
     "make_schedule",
-    "execute",
-    "Chunk",
-    "build_plan",
+    "register_policy",
 ]

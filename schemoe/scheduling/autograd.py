@@ -102,7 +102,9 @@ class _Runner:
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
         x = self.payload[key]
-        send, recv = (ch.send_splits, ch.recv_splits) if t.phase == 1 else (ch.recv_splits, ch.send_splits)
+        send, recv = (
+            (ch.send_splits, ch.recv_splits) if t.phase == 1 else (ch.recv_splits, ch.send_splits)
+        )
         if not self.multi:
             self.payload.pop(key)
             return self.r.algorithm.start(x, send, recv)

@@ -45,8 +45,10 @@ class Chunk:
 def _segments_index(segs: list[tuple[int, int]], device) -> torch.Tensor:
     if not segs:
         return torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat([torch.arange(a, a + n, device=device) for a, n in segs if n] or
-                     [torch.empty(0, dtype=torch.long, device=device)])
+    return torch.cat(
+        [torch.arange(a, a + n, device=device) for a, n in segs if n]
+        or [torch.empty(0, dtype=torch.long, device=device)]
+    )
 
 
 def _part(n: int, i: int, r: int) -> tuple[int, int]:
@@ -92,10 +94,12 @@ def build_plan(
             to = {(rank + o) % P for o in range(lo, hi)}
             frm = {(rank - o) % P for o in range(lo, hi)}
             send = [(0, counts[e]) if e // El in to else (0, 0) for e in range(E)]
-            recv = [[(0, recv_counts[s][el]) if s in frm else (0, 0) for el in range(El)]
-                    for s in range(P)]
+            recv = [
+                [(0, recv_counts[s][el]) if s in frm else (0, 0) for el in range(El)]
+                for s in range(P)
+            ]
         segs = [(offs[e] + a, b - a) for e, (a, b) in enumerate(send)]
-        send_splits = tuple(sum(b - a for a, b in send[d * El:(d + 1) * El]) for d in range(P))
+        send_splits = tuple(sum(b - a for a, b in send[d * El : (d + 1) * El]) for d in range(P))
         full = chunks == 1 or all(n == counts[e] for e, (_, n) in enumerate(segs))
         send_idx = None if full else _segments_index(segs, device)
         sizes = [[b - a for a, b in recv[s]] for s in range(P)]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..registry import Registry
 from .tasks import COMPUTE, Schedule, Task, TaskGraph
 
-__all__ = ["Policy", "POLICIES", "register_policy", "fifo_links", "make_schedule"]
+__all__ = ["POLICIES", "Policy", "fifo_links", "make_schedule", "register_policy"]
 
 
 @dataclass(frozen=True)

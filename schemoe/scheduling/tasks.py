@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Task", "TaskGraph", "Schedule", "COMPUTE"]
+__all__ = ["COMPUTE", "Schedule", "Task", "TaskGraph"]
 
 COMPUTE = "compute"
 _KINDS = ("C", "A", "D", "E")
@@ -70,7 +70,9 @@ class Task:
                 raise ValueError(text)
             return cls(kind, phase, int(chunk_s))
         except (ValueError, IndexError):
-            raise ValueError(f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter'") from None
+            raise ValueError(
+                f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter'"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,13 @@ class TaskGraph:
             raise ValueError(f"direction must be 'forward' or 'backward', got {self.direction!r}")
         deps: dict[Task, tuple[Task, ...]] = {}
         for i in range(self.chunks):
-            c1, d1, e, c2, d2 = (Task("C", 1, i), Task("D", 1, i), Task("E", 0, i),
-                                 Task("C", 2, i), Task("D", 2, i))
+            c1, d1, e, c2, d2 = (
+                Task("C", 1, i),
+                Task("D", 1, i),
+                Task("E", 0, i),
+                Task("C", 2, i),
+                Task("D", 2, i),
+            )
             a1 = tuple(Task("A", 1, i, ln) for ln in self.links)
             a2 = tuple(Task("A", 2, i, ln) for ln in self.links)
             deps[c1] = ()
@@ -164,7 +171,7 @@ class Schedule:
         done: set[Task] = set()
         heads = {res: 0 for res in self.order if res != COMPUTE}
         for t in self.order.get(COMPUTE, ()):
-            for res in heads:
+            for res in heads:  # noqa: PLC0206 (heads is mutated inside)
                 q = self.order[res]
                 while heads[res] < len(q) and all(d in done for d in graph.deps[q[heads[res]]]):
                     done.add(q[heads[res]])

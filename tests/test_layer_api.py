@@ -1,0 +1,184 @@
+"""Input validation, dtypes, user experts, the balancing bias and DDP integration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moe_cases import check_against_reference
+from schemoe import (
+    CollectiveConfig,
+    ExpertConfig,
+    GateConfig,
+    MoEConfig,
+    MoELayer,
+    ScheduleConfig,
+    ddp_ignore_experts,
+    expert_parameters,
+)
+from schemoe._dist import spawn
+
+
+def cfg(E=4, k=2, f=1.0, M=8, H=16, **kw):
+    return MoEConfig(
+        gate=GateConfig(num_experts=E, top_k=k, capacity_factor=f, **kw),
+        experts=ExpertConfig(model_dim=M, hidden_dim=H),
+    )
+
+
+def test_input_of_the_wrong_rank_or_model_dim_is_rejected_naming_the_shape():
+    layer = MoELayer(cfg())
+    with pytest.raises(ValueError, match=r"got shape \(8,\)"):
+        layer(torch.randn(8))
+    with pytest.raises(ValueError, match=r"got shape \(3, 7\)"):
+        layer(torch.randn(3, 7))
+    with pytest.raises(ValueError, match=r"\[T, 8\]"):
+        layer(torch.randn(1, 2, 3, 8))
+
+
+def test_a_dtype_mismatch_is_a_type_error_naming_both_dtypes():
+    layer = MoELayer(cfg())
+    with pytest.raises(TypeError, match="torch.float64.*torch.float32"):
+        layer(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="floating point"):
+        layer(torch.ones(3, 8, dtype=torch.long))
+
+
+def test_bad_gate_settings_raise_value_errors_naming_the_value():
+    with pytest.raises(ValueError, match="top_k=5 must be <= num_experts=4"):
+        GateConfig(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="capacity_factor must be >= 0.0, got -0.5"):
+        GateConfig(num_experts=4, capacity_factor=-0.5)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        GateConfig(num_experts=4, top_k=1.5)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ExpertConfig(model_dim=4, hidden_dim=4, activation="tanh")
+    with pytest.raises(ValueError, match="chunks must be >= 1, got 0"):
+        ScheduleConfig(chunks=0)
+
+
+def test_unknown_plugin_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="unknown schedule policy 'fast'.*sequential"):
+        MoELayer(
+            MoEConfig(
+                gate=GateConfig(num_experts=2),
+                experts=ExpertConfig(model_dim=4, hidden_dim=4),
+                schedule=ScheduleConfig(policy="fast"),
+            )
+        )
+    with pytest.raises(ValueError, match="unknown all-to-all algorithm 'mpi'.*naive"):
+        MoELayer(
+            MoEConfig(
+                gate=GateConfig(num_experts=2),
+                experts=ExpertConfig(model_dim=4, hidden_dim=4),
+                collective=CollectiveConfig(algorithm="mpi"),
+            )
+        )
+
+
+def _indivisible(rank, world):
+    with pytest.raises(
+        ValueError, match="num_experts=3 must be divisible by the expert-parallel size 2"
+    ):
+        MoELayer(cfg(E=3, k=1))
+    return True
+
+
+def test_experts_that_do_not_divide_over_the_ranks_are_rejected():
+    assert all(spawn(_indivisible, 2, timeout=60))
+
+
+def test_bf16_activations_and_autocast_run_with_an_fp32_router():
+    torch.manual_seed(0)
+    layer = MoELayer(cfg())
+    x = torch.randn(10, 8)
+    y32, _ = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, aux = layer(x)
+    assert ya.dtype == torch.float32 and aux.dtype == torch.float32
+    assert torch.allclose(ya, y32, atol=5e-2, rtol=5e-2)  # bf16 GEMMs: ~3 significant digits
+    layer16 = MoELayer(cfg()).to(torch.bfloat16)
+    layer16.load_state_dict(layer.state_dict())
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    yb, _ = layer16(xb)
+    yb.float().sum().backward()
+    assert yb.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    assert torch.allclose(yb.float(), y32, atol=5e-2, rtol=5e-2)
+
+
+def test_a_user_expert_module_matches_the_builtin_ffn_with_the_same_weights():
+    torch.manual_seed(0)
+    c = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=2),
+        experts=ExpertConfig(model_dim=8, hidden_dim=16, activation="relu"),
+    )
+    builtin = MoELayer(c)
+
+    def factory(e):
+        m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(builtin.experts.w1_EMH[e].t())
+            m[2].weight.copy_(builtin.experts.w2_EHM[e].t())
+        return m
+
+    custom = MoELayer(c, expert_factory=factory)
+    custom.gate_weight.data.copy_(builtin.gate_weight.data)
+    assert all(getattr(p, "schemoe_expert", False) for p in custom.experts.parameters())
+    x = torch.randn(20, 8)
+    torch.testing.assert_close(custom(x)[0], builtin(x)[0], atol=1e-6, rtol=1e-5)
+
+
+def test_the_balancing_bias_moves_load_away_from_an_overloaded_expert():
+    torch.manual_seed(0)
+    layer = MoELayer(cfg(E=4, k=1, f=0.0, bias_update_rate=0.05)).train()
+    layer.gate_weight.data[0] += 2.0  # expert 0 gets most tokens
+    x = torch.randn(200, 8).abs()
+    loads = []
+    for _ in range(20):
+        layer.expert_load.zero_()
+        layer(x)
+        loads.append(layer.expert_load.clone())
+        layer.update_expert_bias()
+    assert loads[-1].max() < loads[0].max()
+    assert layer.expert_bias[0] < 0
+
+
+def test_an_empty_batch_returns_an_empty_output():
+    y, aux = MoELayer(cfg())(torch.zeros(0, 8))
+    assert y.shape == (0, 8) and aux.item() == 0.0
+
+
+def _ddp(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("moe", MoELayer(cfg(E=4, k=2)))
+    ddp = DDP(ddp_ignore_experts(model))
+    x = torch.randn(12 + rank, 8, generator=torch.Generator().manual_seed(rank))
+    y, aux = ddp(x)
+    (y.sum() + aux).backward()
+    expert_grads = [p.grad.clone() for p in expert_parameters(model)]
+    gate_grad = model.moe.gate_weight.grad.clone()
+    # the same step without DDP: dense grads would be this rank's own, experts identical
+    return expert_grads, gate_grad
+
+
+def test_ddp_all_reduces_the_router_but_not_the_experts():
+    out = spawn(_ddp, 2, timeout=90)
+    (e0, g0), (e1, g1) = out
+    assert torch.equal(g0, g1)  # dense grads averaged: equal on every rank
+    assert not torch.equal(e0[0], e1[0])  # different experts, never averaged together
+
+
+def _small(rank, world):
+    c = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=2), experts=ExpertConfig(model_dim=8, hidden_dim=16)
+    )
+    check_against_reference(c, [9, 14], seed=3)
+    return True
+
+
+def test_two_ranks_match_the_reference_with_a_small_config():
+    assert all(spawn(_small, 2, timeout=60))
