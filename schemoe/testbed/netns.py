@@ -237,6 +237,11 @@ def down() -> list[str]:
         shutil.rmtree(d, ignore_errors=True)
     if os.path.exists(STATE_FILE):
         os.remove(STATE_FILE)
+    for d in (ETC, os.path.dirname(STATE_FILE)):
+        try:
+            os.rmdir(d)  # only if empty: someone else's netns files stay
+        except OSError:
+            pass
     return removed
 
 
