@@ -107,16 +107,22 @@ class MoELayer(nn.Module):
                 f"cast the layer (layer.to({x.dtype})) or run under torch.autocast"
             )
 
-    def _exchange_counts(self, counts: tuple[int, ...], device) -> list[list[int]]:
-        """[P][El]: rows each rank holds for this rank's experts (a tiny all-to-all; host sync)."""
+    def _exchange_counts(self, counts: tuple[int, ...], device):
+        """Start the exchange of [P][El]: rows each rank holds for this rank's experts (a tiny
+        all-to-all). Returns a function that waits for it (a host sync: splits must be known)."""
         P, El = self.topology.world, self.num_local
         if P == 1:
-            return [list(counts)]
+            return lambda: [list(counts)]
         send = torch.tensor(counts, dtype=torch.long, device=device)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.topology.group)
-        flat = recv.tolist()
-        return [flat[s * El : (s + 1) * El] for s in range(P)]
+        work = dist.all_to_all_single(recv, send, group=self.topology.group, async_op=True)
+
+        def wait() -> list[list[int]]:
+            work.wait()
+            flat = recv.tolist()
+            return [flat[s * El : (s + 1) * El] for s in range(P)]
+
+        return wait
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x)
@@ -138,13 +144,13 @@ class MoELayer(nn.Module):
                 self.expert_load += torch.bincount(
                     routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
                 ).float()
-        # 2. Tokens into the expert-major buffer.
+        # 2. Tokens into the expert-major buffer, while the buffer sizes are exchanged.
+        recv_counts = self._exchange_counts(routing.counts, x.device)
         rows_NM = encode(x_TM, routing)
         # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
-        recv_counts = self._exchange_counts(routing.counts, x.device)
         plan = build_plan(
             routing.counts,
-            recv_counts,
+            recv_counts(),
             self.topology.rank,
             cfg.schedule.chunks,
             self._policy.partition,

@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="after timing, trace one step of each candidate: DIR/<name>.json + .png",
+    )
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -148,6 +154,22 @@ def _comm_only(layer, args, world: int, dtype: torch.dtype):
     return run
 
 
+def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
+    """One traced forward+backward step per candidate (collective: every rank takes part)."""
+    import os
+
+    from .. import trace
+
+    os.makedirs(folder, exist_ok=True)
+    for name, layer in layers.items():
+        step = _step(layer, x, g)
+        step()  # warm: the traced step should show the steady state
+        dist.barrier()
+        with trace.record() as tl:
+            step()
+        tl.save(os.path.join(folder, name.replace("/", "_")))
+
+
 def bench(args: argparse.Namespace, env) -> None:
     from ..layer import MoELayer
 
@@ -156,7 +178,7 @@ def bench(args: argparse.Namespace, env) -> None:
     torch.manual_seed(1234 + rank)
     x = torch.randn(args.tokens, args.model_dim, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
-    cands, rows = {}, []
+    cands, rows, layers = {}, [], {}
     combos = itertools.product(args.policies, args.algorithms, args.compressors, args.chunks)
     for pol, algo, comp, r in combos:
         layer = MoELayer(_config(args, world, env.ranks_per_node, pol, algo, comp, r)).to(dtype)
@@ -164,6 +186,7 @@ def bench(args: argparse.Namespace, env) -> None:
             first = layer
         name = f"{pol}/{algo}/{comp}/r{r}"
         cands[name] = _step(layer, x, g)
+        layers[name] = layer
         rows.append({"policy": pol, "algorithm": algo, "compressor": comp, "chunks": r, "_n": name})
     for peer in args.peer:
         cands[peer] = _step(_deepspeed(args, world, dtype), x, g)
@@ -175,6 +198,8 @@ def bench(args: argparse.Namespace, env) -> None:
     cands["parts:compute"] = _step(single.to(dtype), x, g)
     cands["parts:comm"] = _comm_only(first, args, world, dtype)
     stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+    if args.trace:
+        _trace(args.trace, layers, x, g)
 
     for row in rows:
         row.update(stats[row.pop("_n")].row())
