@@ -2,22 +2,28 @@
 
 Legend: B batch, L sequence length, D model dim, V vocabulary.
 
+Also the data side of `schemoe train`: the byte-level corpus, training batches and the held-out
+windows of the eval loss.
+
 Blocks alternate a dense FFN and an MoE FFN (MoE in every other block, starting with the second),
 pre-norm, causal self-attention via scaled_dot_product_attention, tied input/output embeddings.
 """
 
 from __future__ import annotations
 
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
 from .layer import MoELayer
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPT", "GPTConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,3 +109,56 @@ class GPT(nn.Module):
             x, a = blk(x)
             aux = aux + a
         return self.ln_f(x) @ self.embed.weight.t(), aux
+
+
+def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Byte tokens of a text file, a folder of .py/.txt/.md files, or the Python stdlib sources."""
+    root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
+    if not root.exists():
+        raise ValueError(f"corpus path {str(root)!r} does not exist")
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(
+            p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file()
+        )
+    )
+    buf = bytearray()
+    for f in files:
+        if len(buf) >= max_bytes:
+            break
+        buf += f.read_bytes()[: max_bytes - len(buf)]
+    if len(buf) < 10_000:
+        raise ValueError(f"corpus at {str(root)!r} has only {len(buf)} bytes; need >= 10000")
+    return torch.frombuffer(buf, dtype=torch.uint8).long()  # bytearray: writable, no copy
+
+
+def batch(data: torch.Tensor, size: int, seq: int, g: torch.Generator):
+    """`size` random windows of the token stream: (inputs [size, seq], next tokens [size, seq])."""
+    starts = torch.randint(0, data.numel() - seq - 1, (size,), generator=g)
+    chunk = data[starts[:, None] + torch.arange(seq + 1)]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def eval_windows(data: torch.Tensor, n: int, seq: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's share of n evenly spaced held-out windows [n / world, seq + 1]; n is rounded
+    down to a multiple of world so every rank runs the same number of (collective) forwards."""
+    n = max(world, n // world * world)
+    starts = torch.linspace(0, data.numel() - seq - 1, n).long()[rank::world]
+    return data[starts[:, None] + torch.arange(seq + 1)]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: torch.Tensor, size: int) -> float:
+    """Mean next-token cross-entropy over every rank's windows (collective when distributed)."""
+    was = model.training
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64)
+    for w in windows.split(size):
+        logits, _ = model(w[:, :-1])
+        tot[0] += F.cross_entropy(logits.flatten(0, 1), w[:, 1:].reshape(-1), reduction="sum")
+        tot[1] += w[:, 1:].numel()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tot)
+    model.train(was)
+    return float(tot[0] / tot[1])

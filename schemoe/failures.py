@@ -1,0 +1,115 @@
+"""Failing loudly and early: a lost peer becomes a clear error, a non-finite value names its layer.
+
+Two mechanisms, both used by `schemoe train`:
+
+- Peer failure. Every collective is bounded by the process group's timeout
+  (`init_process_group(timeout=...)`, `--timeout`). A rank that raises calls `abort()`, which
+  tears down its process group so its peers' pending transfers fail within milliseconds
+  ("connection reset") instead of waiting for the timeout; a rank that dies has the same effect;
+  a rank that stalls is caught by the timeout. `is_peer_failure(e)` recognises the backend's error
+  and `PeerFailure` says where (rank, step, phase) it was seen.
+- Non-finite values (`--check-finite`). `FiniteChecker` puts a forward hook on every module and
+  checks each floating-point output; the first module whose output is NaN/Inf (its inputs were
+  finite, or an earlier hook would have fired) is named with the step, and after backward every
+  gradient is checked by parameter name. Each check is a host-device sync, hence a flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["FiniteChecker", "NonFiniteError", "PeerFailure", "abort", "is_peer_failure"]
+
+
+class PeerFailure(RuntimeError):
+    """A collective could not complete: another rank died, raised, or stalled past the timeout."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A module produced NaN/Inf (forward) or a parameter got a NaN/Inf gradient (backward)."""
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether `e` is the backend reporting a lost or silent peer (gloo, NCCL, the store)."""
+    if isinstance(e, PeerFailure | dist.DistError):
+        return True
+    # gloo raises plain RuntimeErrors whose text names its transport ("gloo/transport/tcp/...").
+    return isinstance(e, RuntimeError) and "gloo" in str(e)
+
+
+def abort() -> None:
+    """Tear down the default process group so the peers fail now instead of at their timeout."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # best effort: the group is already broken
+            dist.destroy_process_group()
+
+
+def peer_failure(
+    e: BaseException, rank: int, step: int, phase: str, timeout: datetime.timedelta | float | None
+) -> PeerFailure:
+    """The PeerFailure to raise from `e`, which `is_peer_failure` accepted."""
+    t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    within = f" within the {t:g}s timeout (--timeout)" if t else ""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return PeerFailure(
+        f"rank {rank}, step {step} ({phase}): a collective did not complete{within}; another "
+        f"rank died, raised or stalled: see its own error above. Backend said: {first}"
+    )
+
+
+def _bad(t: torch.Tensor) -> int:
+    # host sync: the count decides whether to raise
+    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+
+
+class FiniteChecker:
+    """Checks every module's forward outputs and every gradient for NaN/Inf.
+
+    Args:
+        model: the module tree to watch (pass the bare model, not a DDP wrapper).
+
+    Set `checker.step` before each step; `check_grads()` after backward; `close()` removes the
+    hooks. Raises NonFiniteError naming the module (or parameter) and the step.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.step = model, 0
+        self._handles = [
+            m.register_forward_hook(self._hook(name or type(m).__name__))
+            for name, m in model.named_modules()
+        ]
+
+    def _hook(self, name: str):
+        def check(module: nn.Module, _inputs, output) -> None:
+            outs = output if isinstance(output, tuple | list) else (output,)
+            for i, t in enumerate(outs):
+                if isinstance(t, torch.Tensor) and (n := _bad(t)):
+                    which = f" output {i}" if len(outs) > 1 else ""
+                    raise NonFiniteError(
+                        f"non-finite values in {name} ({type(module).__name__}){which} at step "
+                        f"{self.step} (forward): {n} of {t.numel()} elements are NaN/Inf"
+                    )
+
+        return check
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        if _bad(loss):
+            raise NonFiniteError(f"non-finite loss {loss.item()} at step {self.step}")
+
+    def check_grads(self) -> None:
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and (n := _bad(p.grad)):
+                raise NonFiniteError(
+                    f"non-finite gradient of {name} at step {self.step} (backward): "
+                    f"{n} of {p.grad.numel()} elements are NaN/Inf"
+                )
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

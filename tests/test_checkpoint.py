@@ -1,0 +1,209 @@
+"""Checkpoints: written on 4 ranks they load on 2 and on 1 (experts and their optimizer state
+resharded), export to one file, load nothing but tensors, and survive an interrupted write."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from schemoe import checkpoint
+from schemoe import train as T
+from schemoe._dist import spawn
+from schemoe.lm import GPT, GPTConfig, eval_windows, evaluate, load_corpus
+
+TINY = [
+    "--dim",
+    "32",
+    "--hidden",
+    "48",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch",
+    "4",
+    "--experts",
+    "4",
+    "--corpus-bytes",
+    "200000",
+    "--eval-seqs",
+    "8",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1000",
+    "--capacity-factor",
+    "0",
+]  # dropless
+
+
+def tiny(*extra: str):
+    return T.parse_args([*TINY, *extra])
+
+
+def build(a):
+    torch.manual_seed(a.seed)
+    core = GPT(
+        GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads),
+        T.moe_config_from_args(a),
+        seed=a.seed,
+    )
+    return core, T._optimizer(core, a)
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in [folder / "dense.pt", *sorted(folder.glob("experts-*.pt"))]:
+        out.update(torch.load(f, weights_only=True))
+    return out
+
+
+def _write_on_four(rank: int, world: int, d: str) -> dict:
+    return T.train(rank, world, tiny("--steps", "6", "--stop-after", "3", "--save", d))
+
+
+def _reshard_on_two(rank: int, world: int, d: str, d2: str, exported: str) -> dict:
+    evaluated = T.train(rank, world, tiny("--steps", "6", "--stop-after", "3", "--resume", d))
+    a = tiny()
+    core, opt = build(a)
+    got = checkpoint.load(d, core, opt)
+    checkpoint.save(d2, core, opt, step=got.step, meta=got.meta)
+    from_file, _ = build(a)
+    checkpoint.load(exported, from_file)  # the one-file export, resharded the same way
+    assert all(torch.equal(from_file.state_dict()[k], v) for k, v in core.state_dict().items())
+    more = T.train(rank, world, tiny("--steps", "6", "--resume", d))
+    return {"eval": evaluated["eval_loss"], "more": more["losses"]}
+
+
+def test_checkpoint_written_on_four_ranks_loads_on_two_and_one_and_exports(tmp_path):
+    d, d2, d1 = (str(tmp_path / n) for n in ("p4", "p2", "p1"))
+    r4 = spawn(_write_on_four, 4, d, timeout=180)[0]
+    out = checkpoint.export(d, tmp_path / "model.pt")
+    r2 = spawn(_reshard_on_two, 2, d, d2, str(out), timeout=180)
+    # dropless routing makes every token's output independent of P: same held-out loss
+    assert math.isclose(r2[0]["eval"], r4["eval_loss"], rel_tol=1e-5)
+    r1 = T.train(0, 1, tiny("--steps", "6", "--stop-after", "3", "--resume", d))
+    assert math.isclose(r1["eval_loss"], r4["eval_loss"], rel_tol=1e-5)
+    # resharded model and AdamW state, saved again on 2 ranks and on 1: the same tensors
+    core, opt = build(tiny())
+    got = checkpoint.load(d, core, opt)
+    assert got.step == 3 and got.rng is None  # RNG streams only restore on the same P
+    checkpoint.save(d1, core, opt, step=3)
+    ref = tensors_of(checkpoint._resolve(Path(d)))
+    assert any(k.startswith("optim/exp_avg_sq/") and "experts.w1_EMH[3]" in k for k in ref)
+    for other in (d2, d1):
+        got_t = tensors_of(checkpoint._resolve(Path(other)))
+        assert got_t.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got_t[k], ref[k]), k
+    # training continues after resharding, from the 4-rank history
+    assert r2[0]["more"][:3] == r4["losses"] and all(math.isfinite(v) for v in r2[0]["more"])
+    # single-file export: the one-rank state_dict
+    state, meta = checkpoint.load_export(out)
+    assert meta["step"] == 3 and state["blocks.1.ffn.experts.w1_EMH"].shape == (4, 32, 48)
+    fresh, _ = build(tiny())
+    fresh.load_state_dict(state)
+    data = load_corpus(None, 200_000)
+    held = eval_windows(data[int(data.numel() * 0.95) :], 8, 32, 0, 1)
+    assert math.isclose(evaluate(fresh, held, 4), r4["eval_loss"], rel_tol=1e-5)
+    again, _ = build(tiny())
+    checkpoint.load(out, again)  # load() takes the exported file too
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
+
+
+def _one_step(core, opt):
+    logits, aux = core(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)))
+    (logits.square().mean() + aux).backward()
+    opt.step()
+
+
+def test_a_write_that_raises_midway_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    core, opt = build(tiny())
+    _one_step(core, opt)
+    checkpoint.save(tmp_path, core, opt, step=1)
+    saved = {k: v.clone() for k, v in core.state_dict().items()}
+    _one_step(core, opt)
+    real = checkpoint._write
+
+    def half_then_fail(tensors, path):
+        if path.name.startswith("experts"):
+            path.write_bytes(b"PK\x03\x04 half a zip")
+            raise OSError(28, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "_write", half_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save(tmp_path, core, opt, step=2)
+    assert (tmp_path / "latest").read_text() == "step-00000001"
+    fresh, fopt = build(tiny())
+    assert checkpoint.load(tmp_path, fresh, fopt).step == 1
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    monkeypatch.setattr(checkpoint, "_write", real)
+    checkpoint.save(tmp_path, core, opt, step=2)  # the leftover temp folder is replaced
+    assert checkpoint.load(tmp_path, fresh, fopt).step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step-00000001",
+        "step-00000002",
+    ]
+
+
+def _killed_writer(d: str, ready) -> None:
+    core, opt = build(tiny())
+    checkpoint.save(d, core, opt, step=1)
+    real = checkpoint._write
+
+    def stall(tensors, path):
+        if path.name == "dense.pt":
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 partial")
+                f.flush()
+            ready.set()
+            time.sleep(60)  # killed here, mid-file
+        real(tensors, path)
+
+    checkpoint._write = stall
+    checkpoint.save(d, core, opt, step=2)
+
+
+def test_a_writer_killed_mid_file_leaves_the_previous_checkpoint_loadable(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_killed_writer, args=(str(tmp_path), ready), daemon=True)
+    p.start()
+    assert ready.wait(60), "the writer never reached the middle of its write"
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert (tmp_path / "step-00000002.tmp" / "dense.pt").exists()  # the half-written file
+    fresh, _ = build(tiny())
+    assert checkpoint.load(tmp_path, fresh).step == 1
+    ref, _ = build(tiny())  # the writer saved a freshly built model
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+class _Exploit:
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        return (open, (self.flag, "w"))
+
+
+def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp_path):
+    core, opt = build(tiny())
+    checkpoint.save(tmp_path, core, opt, step=1)
+    folder = checkpoint._resolve(tmp_path)
+    flag = tmp_path / "pwned"
+    torch.save({"model/embed.weight": _Exploit(str(flag))}, folder / "dense.pt")
+    with pytest.raises(ValueError, match="weights_only"):
+        checkpoint.load(tmp_path, core)
+    assert not flag.exists()

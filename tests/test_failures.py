@@ -1,0 +1,144 @@
+"""A rank that raises, dies or stalls makes the others fail with a clear error within the
+timeout; --check-finite names the layer and the step of the first NaN/Inf."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from schemoe import failures
+from schemoe import train as T
+from schemoe._dist import free_port, init_process_group
+from schemoe.layer import MoELayer
+from schemoe.lm import GPT, GPTConfig
+
+TINY = [
+    "--dim",
+    "32",
+    "--hidden",
+    "48",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch",
+    "4",
+    "--experts",
+    "4",
+    "--corpus-bytes",
+    "200000",
+    "--eval-seqs",
+    "8",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1000",
+]
+TIMEOUT = 4.0  # the collective timeout (--timeout) of these runs, seconds
+
+
+def _rank(rank: int, port: int, mode: str, fault_at, results) -> None:
+    """Rank 1 misbehaves in its 3rd MoE forward (step 3, one MoE layer); rank 0 reports."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
+    torch.set_num_threads(1)
+    init_process_group("gloo", TIMEOUT)
+    if rank == 1:
+        forward, calls = MoELayer.forward, [0]
+
+        def faulty(self, x):
+            calls[0] += 1
+            if calls[0] == 3:
+                fault_at.value = time.monotonic()
+                if mode == "raises":
+                    raise RuntimeError("injected failure")
+                if mode == "exits":
+                    os._exit(3)
+                time.sleep(60)  # stalls; killed by the test
+            return forward(self, x)
+
+        MoELayer.forward = faulty
+    try:
+        T.train(rank, 2, T.parse_args([*TINY, "--steps", "6", "--timeout", str(TIMEOUT)]))
+        results.put((rank, "finished", "", 0.0))
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        results.put((rank, type(e).__name__, str(e), time.monotonic()))
+
+
+def _run(mode: str) -> dict:
+    ctx = mp.get_context("spawn")
+    results, fault_at, port = ctx.Queue(), ctx.Value("d", 0.0), free_port()
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, mode, fault_at, results), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        deadline = time.monotonic() + 60 + TIMEOUT
+        while 0 not in out:
+            rank, kind, msg, t = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[rank] = {"kind": kind, "msg": msg, "after": t - fault_at.value}
+    except queue.Empty:
+        pytest.fail(f"rank 0 did not report within the deadline ({mode})")
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    return out[0]
+
+
+@pytest.mark.parametrize("mode", ["raises", "exits", "stalls"])
+def test_survivor_fails_with_a_clear_error_within_the_timeout_when_a_peer(mode):
+    r = _run(mode)
+    assert r["kind"] == "PeerFailure", r
+    assert "rank 0, step 3 (forward)" in r["msg"] and "timeout" in r["msg"]
+    if mode == "stalls":  # only the timeout can tell a silent peer from a slow one
+        assert TIMEOUT - 0.5 < r["after"] < TIMEOUT + 3
+    else:  # the failing rank tears its group down, the dead one's sockets close: no waiting
+        assert r["after"] < 2.0
+
+
+def test_check_finite_names_the_moe_layer_and_step_where_nan_first_appears():
+    a = T.parse_args(TINY)
+    torch.manual_seed(0)
+    core = GPT(GPTConfig(seq_len=32, layers=2, heads=2), T.moe_config_from_args(a))
+    checker = failures.FiniteChecker(core)
+    checker.step = 7
+    x = torch.randint(0, 256, (2, 32))
+    core(x)  # finite: passes
+    with torch.no_grad():
+        core.blocks[1].ffn.experts.w1_EMH[0].fill_(float("nan"))
+    with pytest.raises(
+        failures.NonFiniteError,
+        match=r"blocks\.1\.ffn\.experts \(BatchedFFN\) at step 7 \(forward\)",
+    ):
+        core(x)
+    checker.close()
+    core(x)  # hooks removed
+    core.zero_grad()
+    core.embed.weight.grad = torch.full_like(core.embed.weight, float("inf"))
+    with pytest.raises(failures.NonFiniteError, match=r"gradient of embed\.weight at step 7"):
+        checker.check_grads()
+
+
+def test_check_finite_flag_stops_a_diverging_run_naming_module_and_step():
+    a = T.parse_args(
+        [*TINY, "--steps", "4", "--lr", "1e30", "--warmup", "1", "--clip", "0", "--check-finite"]
+    )
+    with pytest.raises(failures.NonFiniteError, match=r"in blocks\.\d\.\S+ \(\w+\).* at step 2"):
+        T.train(0, 1, a)
