@@ -68,9 +68,11 @@ def spawn(
     *args: Any,
     timeout: float = 120.0,
     threads: int = 1,
+    run_timeout: float | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return results by rank.
 
+    `timeout` bounds every collective; `run_timeout` the whole run (default: timeout + 30 s).
     `fn` must be importable (module level) and its return value picklable.
     """
     if world_size < 1:
@@ -92,14 +94,15 @@ def spawn(
     errors: list[str] = []
     import time
 
-    deadline = time.monotonic() + timeout + 30.0
+    limit = run_timeout if run_timeout is not None else timeout + 30.0
+    deadline = time.monotonic() + limit
     try:
         while len(out) + len(errors) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"{world_size}-rank run of {getattr(fn, '__name__', fn)} did not finish in "
-                    f"{timeout:.0f}s (+30s grace); finished ranks: {sorted(out)}"
+                    f"{limit:.0f}s; finished ranks: {sorted(out)}"
                 )
             try:
                 rank, ok, val = results.get(timeout=min(left, 1.0))

@@ -323,7 +323,8 @@ def _main(a: argparse.Namespace) -> int:
         return 0
     from ._dist import spawn
 
-    spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads)
+    # Collectives are bounded by --timeout; the run itself may take as long as it needs.
+    spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads, run_timeout=float("inf"))
     return 0
 
 
