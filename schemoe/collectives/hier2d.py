@@ -13,7 +13,7 @@ which only that peer knows. The node's send splits are therefore all-gathered fi
 and reading them on the host is a HOST SYNC (`tolist`). Step 3's receive sizes follow from this
 rank's own `recv_splits`.
 
-Asynchrony: every phase runs on the instance's comm thread (`pairwise.CommThread`), so `start`
+Asynchrony: every phase runs on the instance's comm thread (`_common.CommThread`), so `start`
 returns before anything is sent and the caller computes while the thread does the split exchange,
 both all-to-alls and the permutes; `wait()` only joins. Running the later phases in `wait()`
 would keep the link idle during the caller's compute. The groups (tags "hier2d.intra" and
@@ -23,58 +23,17 @@ code posts on shared groups from another thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-import torch.distributed as dist
 
 from ..topology import Topology
-from .base import ALGORITHMS, Done, check_splits
-from .pairwise import CommThread, Job, check_link, output_buffer
+from ._common import CommThread, Threaded, exchange, gather_splits, node_group, permute_blocks
+from .base import ALGORITHMS
 
-__all__ = ["Hier2D", "exchange", "gather_splits", "permute_blocks"]
-
-
-def permute_blocks(y: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) -> torch.Tensor:
-    """Reorder the row blocks of `y` (block i has sizes[i] rows, in order) to `order`."""
-    if list(order) == list(range(len(sizes))):
-        return y
-    starts = [0]
-    for s in sizes:
-        starts.append(starts[-1] + s)
-    return torch.cat([y.narrow(0, starts[i], sizes[i]) for i in order])
-
-
-def gather_splits(values: list[int], group, size: int, device: torch.device) -> list[list[int]]:
-    """Every member's `values` (same length on all), by group rank. Collective; HOST SYNC.
-
-    The ints travel on `device` so that the group's backend (gloo: CPU, NCCL: CUDA) accepts them.
-    """
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(parts, mine, group=group)
-    return torch.stack(parts).tolist()  # host sync: the next phase's splits depend on these
-
-
-def exchange(
-    x: torch.Tensor,
-    send: list[int],
-    recv: list[int],
-    group,
-    size: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Blocking all_to_all_single over `group` (`size` members); a copy when `size` is 1."""
-    if size == 1:
-        return x if out is None else out.copy_(x)
-    if out is None:
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, recv, send, group=group)
-    return out
+__all__ = ["Hier2D"]
 
 
 @ALGORITHMS.register("hier2d")
-class Hier2D:
+class Hier2D(Threaded):
     """2D hierarchical all-to-all: node exchange, permute, exchange among same-local-rank peers."""
 
     name = "hier2d"
@@ -84,13 +43,8 @@ class Hier2D:
         self.topo = topology
         rpn, world = topology.ranks_per_node, topology.world
         # new_group is collective: every rank creates all of them, in the same order.
-        self.node_group = self.peer_group = None
-        if rpn > 1:
-            nodes = [
-                topology.subgroup(tuple(range(n * rpn, (n + 1) * rpn)), tag="hier2d.intra")
-                for n in range(topology.nodes)
-            ]
-            self.node_group = nodes[topology.node]
+        self.node_group = node_group(topology, "hier2d.intra")
+        self.peer_group = None
         if topology.nodes > 1:
             peers = [
                 topology.subgroup(tuple(range(lr, world, rpn)), tag="hier2d.inter")
@@ -98,25 +52,6 @@ class Hier2D:
             ]
             self.peer_group = peers[topology.local_rank]
         self._thread = CommThread("hier2d")
-
-    def start(
-        self,
-        x: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        *,
-        link: str | None = None,
-        out: torch.Tensor | None = None,
-    ) -> Done | Job:
-        """Start moving `x` [N, ...] by `send_splits`; the Pending yields [sum(recv_splits), ...]."""
-        check_link(self.name, link, self.links)
-        check_splits(x, send_splits, recv_splits, self.topo.world)
-        out = output_buffer(x, recv_splits, out)
-        if self.topo.world == 1:
-            return Done(out.copy_(x))
-        x = x.contiguous()
-        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
-        return self._thread.submit(lambda: self._run(x, send, recv, out), x, out)
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, me = self.topo.ranks_per_node, self.topo.nodes, self.topo.local_rank

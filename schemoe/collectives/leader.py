@@ -10,27 +10,24 @@ Uneven splits: the leader must know each local rank's send and receive splits to
 scatter the rows, so the node's splits are all-gathered first (a few ints per rank); reading
 them on the host is a HOST SYNC (`tolist`).
 
-Asynchrony: like `hier2d`, every phase runs on the instance's comm thread (`pairwise.CommThread`)
+Asynchrony: like `hier2d`, every phase runs on the instance's comm thread (`_common.CommThread`)
 so `start` returns before anything is sent and the caller's compute overlaps the whole chain;
 `wait()` only joins. The groups (tags "leader.intra", "leader.inter") belong to this instance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ..topology import Topology
-from .base import ALGORITHMS, Done, check_splits
-from .hier2d import exchange, gather_splits, permute_blocks
-from .pairwise import CommThread, Job, check_link, output_buffer
+from ._common import CommThread, Threaded, exchange, gather_splits, node_group, permute_blocks
+from .base import ALGORITHMS
 
 __all__ = ["Leader"]
 
 
 @ALGORITHMS.register("leader")
-class Leader:
+class Leader(Threaded):
     """Gather to the node leader, all-to-all among leaders, scatter back."""
 
     name = "leader"
@@ -40,36 +37,12 @@ class Leader:
         self.topo = topology
         rpn, world = topology.ranks_per_node, topology.world
         # new_group is collective: every rank creates all of them (members or not), in order.
-        self.node_group = self.leader_group = None
-        if rpn > 1:
-            nodes = [
-                topology.subgroup(tuple(range(n * rpn, (n + 1) * rpn)), tag="leader.intra")
-                for n in range(topology.nodes)
-            ]
-            self.node_group = nodes[topology.node]
+        self.node_group = node_group(topology, "leader.intra")
+        self.leader_group = None
         if topology.nodes > 1:
             leaders = topology.subgroup(tuple(range(0, world, rpn)), tag="leader.inter")
             self.leader_group = leaders if topology.local_rank == 0 else None
         self._thread = CommThread("leader")
-
-    def start(
-        self,
-        x: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        *,
-        link: str | None = None,
-        out: torch.Tensor | None = None,
-    ) -> Done | Job:
-        """Start moving `x` [N, ...] by `send_splits`; the Pending yields [sum(recv_splits), ...]."""
-        check_link(self.name, link, self.links)
-        check_splits(x, send_splits, recv_splits, self.topo.world)
-        out = output_buffer(x, recv_splits, out)
-        if self.topo.world == 1:
-            return Done(out.copy_(x))
-        x = x.contiguous()
-        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
-        return self._thread.submit(lambda: self._run(x, send, recv, out), x, out)
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, world = self.topo.ranks_per_node, self.topo.nodes, self.topo.world

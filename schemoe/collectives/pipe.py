@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
+from ._common import check_link, node_group, offsets, output_buffer
 from .base import ALGORITHMS, Done, check_splits
-from .pairwise import check_link, offsets, output_buffer
 
 __all__ = ["Pipe", "Works"]
 
@@ -63,15 +63,8 @@ class Pipe:
 
     def __init__(self, topology: Topology) -> None:
         self.topo = topology
-        rpn = topology.ranks_per_node
         # new_group is collective: every rank creates every node's group, in node order.
-        self.node_group = None
-        if rpn > 1:
-            groups = [
-                topology.subgroup(tuple(range(n * rpn, (n + 1) * rpn)), tag="pipe.intra")
-                for n in range(topology.nodes)
-            ]
-            self.node_group = groups[topology.node]
+        self.node_group = node_group(topology, "pipe.intra")
         self.world_group = None
         if topology.nodes > 1:
             self.world_group = topology.subgroup(tuple(range(topology.world)), tag="pipe.inter")

@@ -1,0 +1,210 @@
+"""Helpers the all-to-all algorithms share: split offsets, link and output-buffer checks, the
+comm thread that drives multi-phase transfers, blocking exchange primitives, and the `start` of
+the algorithms that run on such a thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ..topology import Topology
+from .base import Done, check_splits
+
+__all__ = [
+    "CommThread",
+    "Job",
+    "Threaded",
+    "check_link",
+    "exchange",
+    "gather_splits",
+    "node_group",
+    "offsets",
+    "output_buffer",
+    "permute_blocks",
+]
+
+
+def offsets(splits: Sequence[int]) -> list[int]:
+    """Row offsets of each block: [0, s0, s0 + s1, ..., sum(splits)] (len(splits) + 1 entries)."""
+    out = [0]
+    for s in splits:
+        out.append(out[-1] + int(s))
+    return out
+
+
+def check_link(name: str, link: str | None, links: tuple[str, ...]) -> None:
+    """Raise ValueError unless `link` is None or one of the algorithm's `links`."""
+    if link is not None and link not in links:
+        raise ValueError(f"{name} uses the links {links}, got link={link!r}")
+
+
+def output_buffer(
+    x: torch.Tensor, recv_splits: Sequence[int], out: torch.Tensor | None
+) -> torch.Tensor:
+    """`out` checked against the expected result [sum(recv_splits), *x.shape[1:]], or a new one.
+
+    The buffer must be contiguous: every part of the transfer writes straight into a row slice
+    of it, and only a contiguous tensor's row slices are contiguous."""
+    shape = (sum(recv_splits), *x.shape[1:])
+    if out is None:
+        return x.new_empty(shape)
+    if (
+        tuple(out.shape) != shape
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {x.dtype} tensor of shape {shape} on {x.device}, got "
+            f"{'a contiguous' if out.is_contiguous() else 'a non-contiguous'} {out.dtype} "
+            f"tensor of shape {tuple(out.shape)} on {out.device}"
+        )
+    return out
+
+
+def node_group(topology: Topology, tag: str):
+    """This node's group of ranks (tag `tag`), or None with one rank per node. Collective.
+
+    new_group is collective: every rank creates every node's group, in node order."""
+    rpn = topology.ranks_per_node
+    if rpn == 1:
+        return None
+    groups = [
+        topology.subgroup(tuple(range(n * rpn, (n + 1) * rpn)), tag=tag)
+        for n in range(topology.nodes)
+    ]
+    return groups[topology.node]
+
+
+def permute_blocks(y: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) -> torch.Tensor:
+    """Reorder the row blocks of `y` (block i has sizes[i] rows, in order) to `order`."""
+    if list(order) == list(range(len(sizes))):
+        return y
+    starts = [0]
+    for s in sizes:
+        starts.append(starts[-1] + s)
+    return torch.cat([y.narrow(0, starts[i], sizes[i]) for i in order])
+
+
+def gather_splits(values: list[int], group, size: int, device: torch.device) -> list[list[int]]:
+    """Every member's `values` (same length on all), by group rank. Collective; HOST SYNC.
+
+    The ints travel on `device` so that the group's backend (gloo: CPU, NCCL: CUDA) accepts them.
+    """
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.stack(parts).tolist()  # host sync: the next phase's splits depend on these
+
+
+def exchange(
+    x: torch.Tensor,
+    send: list[int],
+    recv: list[int],
+    group,
+    size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Blocking all_to_all_single over `group` (`size` members); a copy when `size` is 1."""
+    if size == 1:
+        return x if out is None else out.copy_(x)
+    if out is None:
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    return out
+
+
+class Job:
+    """Pending result of work running on a `CommThread`; `wait` re-raises what the work raised."""
+
+    def __init__(self, future: Future, done: torch.cuda.Event | None = None) -> None:
+        self._future = future
+        self._done = done
+
+    def wait(self) -> torch.Tensor:
+        # Blocks until the thread finishes; a collective that times out raises RuntimeError there.
+        out = self._future.result()
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        return out
+
+    def is_completed(self) -> bool:
+        return self._future.done() and (self._done is None or self._done.query())
+
+
+class CommThread:
+    """One FIFO worker thread that runs an algorithm's multi-phase transfers in `start` order.
+
+    Why a thread and not `wait()`: on CPU, gloo moves bytes on its own threads only while an op is
+    posted; phases that depend on each other (a host split exchange, then an exchange, a permute,
+    another exchange) must be driven by a host loop. Running that loop inside `wait()` would
+    leave the link idle while the caller computes. One thread per instance (not per call) keeps
+    every rank issuing the instance's ops in the same order. The GIL is released inside torch
+    ops and `Work.wait`, so the caller's compute and the thread interleave.
+
+    On CUDA (untested here: no multi-GPU machine) the work runs on a side stream that first waits
+    for the caller's stream, and `Job.wait` makes the caller's stream wait for the side stream.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"schemoe-{name}")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def submit(self, fn: Callable[[], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> Job:
+        """Run `fn()` (which reads `x` and fills `out`) on the thread; return its Pending."""
+        if not x.is_cuda:
+            return Job(self._pool.submit(fn))
+        ready = torch.cuda.Event()
+        ready.record()  # on the caller's current stream
+        done = torch.cuda.Event()
+        stream = self._streams.setdefault(x.device, torch.cuda.Stream(x.device))
+
+        def run() -> torch.Tensor:
+            with torch.cuda.device(x.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                x.record_stream(stream)  # the caller may drop x before the side stream is done
+                out.record_stream(stream)
+                result = fn()
+                done.record(stream)
+                return result
+
+        return Job(self._pool.submit(run), done)
+
+
+class Threaded:
+    """Base of the single-link algorithms whose whole transfer runs on their own `CommThread`.
+
+    A subclass sets `name`, `links`, `self.topo` and `self._thread`, and implements
+    `_run(x, send, recv, out)`, which moves the rows and fills `out` (called on the thread)."""
+
+    name: str
+    links: tuple[str, ...]
+    topo: Topology
+    _thread: CommThread
+
+    def start(
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        *,
+        link: str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> Done | Job:
+        """Start moving `x` [N, ...] by `send_splits`; the Pending yields [sum(recv_splits), ...]."""
+        check_link(self.name, link, self.links)
+        check_splits(x, send_splits, recv_splits, self.topo.world)
+        out = output_buffer(x, recv_splits, out)
+        if self.topo.world == 1:
+            return Done(out.copy_(x))
+        x = x.contiguous()
+        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        return self._thread.submit(lambda: self._run(x, send, recv, out), x, out)
+
+    def _run(
+        self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
