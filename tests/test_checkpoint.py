@@ -12,42 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+import train_cases
 
 from schemoe import checkpoint
 from schemoe import train as T
 from schemoe._dist import spawn
 from schemoe.lm import GPT, GPTConfig, eval_windows, evaluate, load_corpus
 
-TINY = [
-    "--dim",
-    "32",
-    "--hidden",
-    "48",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch",
-    "4",
-    "--experts",
-    "4",
-    "--corpus-bytes",
-    "200000",
-    "--eval-seqs",
-    "8",
-    "--eval-every",
-    "0",
-    "--log-every",
-    "1000",
-    "--capacity-factor",
-    "0",
-]  # dropless
-
 
 def tiny(*extra: str):
-    return T.parse_args([*TINY, *extra])
+    return train_cases.tiny("--capacity-factor", "0", *extra)  # dropless
 
 
 def build(a):

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from train_cases import TINY
 
 from schemoe import failures
 from schemoe import train as T
@@ -17,30 +18,6 @@ from schemoe._dist import free_port, init_process_group
 from schemoe.layer import MoELayer
 from schemoe.lm import GPT, GPTConfig
 
-TINY = [
-    "--dim",
-    "32",
-    "--hidden",
-    "48",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch",
-    "4",
-    "--experts",
-    "4",
-    "--corpus-bytes",
-    "200000",
-    "--eval-seqs",
-    "8",
-    "--eval-every",
-    "0",
-    "--log-every",
-    "1000",
-]
 TIMEOUT = 4.0  # the collective timeout (--timeout) of these runs, seconds
 
 

@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from train_cases import TINY, tiny
 
 from schemoe import train as T
 from schemoe._dist import spawn
@@ -26,35 +27,6 @@ from schemoe.config import (
 )
 from schemoe.lm import GPT, GPTConfig
 from schemoe.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
-
-TINY = [
-    "--dim",
-    "32",
-    "--hidden",
-    "48",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch",
-    "4",
-    "--experts",
-    "4",
-    "--corpus-bytes",
-    "200000",
-    "--eval-seqs",
-    "8",
-    "--eval-every",
-    "0",
-    "--log-every",
-    "1000",
-]
-
-
-def tiny(*extra: str):
-    return T.parse_args([*TINY, *extra])
 
 
 def _global_norm_reference(core) -> float:
