@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 
+from .._cli_util import guard
+
 __all__ = ["BenchEnv", "register"]
 
 _MULTI_RANK = {"a2a": "schemoe.bench.a2a", "layer": "schemoe.bench.layer"}
@@ -151,17 +153,6 @@ def _missing(args: argparse.Namespace) -> int:
     return 2
 
 
-def _guard(fn):
-    def call(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (ValueError, RuntimeError, PermissionError, FileNotFoundError) as e:
-            print(f"schemoe bench: error: {e}", file=sys.stderr)
-            return 2
-
-    return call
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: median, p10/p90, one JSON line")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -170,7 +161,7 @@ def register(subparsers) -> None:
         sp = sub.add_parser(name, help=mod.__doc__.splitlines()[0])
         _add_launch_arguments(sp)
         mod.add_arguments(sp)
-        sp.set_defaults(func=_guard(partial(_main, name)))
+        sp.set_defaults(func=guard("schemoe bench", partial(_main, name)))
     # Imported here, not at module import, and optional: it may not exist yet.
     try:
         compress = importlib.import_module("schemoe.bench.compress")
@@ -183,7 +174,7 @@ def register(subparsers) -> None:
     else:
         cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
         compress.add_arguments(cp)
-        cp.set_defaults(func=_guard(partial(_compress, compress)))
+        cp.set_defaults(func=guard("schemoe bench", partial(_compress, compress)))
 
 
 if __name__ == "__main__":  # a testbed child: python -m schemoe.bench.cli <name> <opts as JSON>

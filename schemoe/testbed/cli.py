@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from .._cli_util import guard
 from . import launch, netns
 
 __all__ = ["register"]
@@ -29,17 +29,6 @@ def _run(args: argparse.Namespace) -> int:
     return launch.run(args.target, args.ranks_per_node, timeout=args.timeout)
 
 
-def _guard(fn):
-    def call(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (ValueError, PermissionError, FileNotFoundError, RuntimeError) as e:
-            print(f"schemoe testbed: error: {e}", file=sys.stderr)
-            return 2
-
-    return call
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("testbed", help="emulated multi-node cluster (root, Linux)")
     sub = p.add_subparsers(dest="testbed_command", required=True)
@@ -48,7 +37,7 @@ def register(subparsers) -> None:
     up.add_argument("--nodes", type=int, required=True, help="number of emulated nodes")
     up.add_argument("--rate", required=True, help="link rate each way, e.g. 400mbit, 1gbit")
     up.add_argument("--latency", default=None, help="one-way node-to-node latency, e.g. 1ms")
-    up.set_defaults(func=_guard(_up))
+    up.set_defaults(func=guard("schemoe testbed", _up))
 
     run = sub.add_parser("run", help="launch ranks on every node (torchrun-style env)")
     run.add_argument("--ranks-per-node", type=int, required=True)
@@ -58,7 +47,7 @@ def register(subparsers) -> None:
         nargs=argparse.REMAINDER,
         help="-- then a module (with or without -m) or a script, and its args",
     )
-    run.set_defaults(func=_guard(_run))
+    run.set_defaults(func=guard("schemoe testbed", _run))
 
     down = sub.add_parser("down", help="remove the testbed (idempotent)")
-    down.set_defaults(func=_guard(_down))
+    down.set_defaults(func=guard("schemoe testbed", _down))
