@@ -14,6 +14,7 @@ COMMANDS = [
     "schemoe.train",
     "schemoe.testbed.cli",
     "schemoe.bench.cli",
+    "schemoe.costmodel.cli",
 ]
 
 

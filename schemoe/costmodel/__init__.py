@@ -1,0 +1,34 @@
+"""Cost model, simulator and tuner: predict a layer's step from a cluster's constants, find the
+best task order (`search` policy) and configuration (`tune.choose`), and plan at scale.
+
+    hardware   Hardware records: fitted (`schemoe profile`) or presets (paper-32gpu, h100-64gpu)
+    model      per-task cost functions and CostModel (a layer on a cluster -> task durations)
+    simulator  run(schedule, graph, costs) -> (makespan, trace events), the executor's rules
+    search     the "search" policy (registered on import)
+    tune       predict, explore, choose, resolve (ScheduleConfig(policy="auto"))
+    profile    fit and cache the constants on the running ranks
+"""
+
+from . import search
+from .hardware import PRESETS, Hardware, Link, preset
+from .model import A2A_MODELS, CostModel, LayerShape, TaskCosts
+from .simulator import run
+from .tune import choose, explore, predict, predict_config, resolve
+
+__all__ = [
+    "A2A_MODELS",
+    "PRESETS",
+    "CostModel",
+    "Hardware",
+    "LayerShape",
+    "Link",
+    "TaskCosts",
+    "choose",
+    "explore",
+    "predict",
+    "predict_config",
+    "preset",
+    "resolve",
+    "run",
+    "search",
+]

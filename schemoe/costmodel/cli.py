@@ -1,0 +1,360 @@
+"""`schemoe profile` (fit the cost model here), `simulate` (plan on a preset), `validate`.
+
+    schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit] [--path FILE]
+    schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile --link-rate 400mbit
+    schemoe simulate --preset paper-32gpu --layers 12 --tokens 4096 --model-dim 2048 \\
+        --hidden 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
+    schemoe validate BENCH.txt=PROFILE.json ... [--png sim_vs_measured.png]
+
+All three end with one JSON line. simulate's: {"preset", "results": [{"policy", "algorithm",
+"compressor", "chunks", "predicted_ms"}, ...] (one row per policy at its best configuration),
+"chosen": {...}}, plus "systems" with --systems (each system as it ships: tutel and fastermoe
+uncompressed on naive, schemoe on pipe + zfp at r = 2, as in the paper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+__all__ = ["register"]
+
+POLICY_ROWS = ("sequential", "tutel", "fastermoe", "schemoe", "search")
+
+
+def _rank(rank: int, world: int, opts: dict) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from ..topology import Topology
+    from . import profile
+
+    torch.set_num_threads(1)  # the ranks share the host's cores, as in `schemoe bench`
+    topo = Topology.from_group(None, opts["ranks_per_node"])
+    hw, pts = profile.measure(
+        topo,
+        model_dim=opts["model_dim"],
+        hidden=opts["hidden"],
+        rate_bps=opts["rate_bps"],
+        quick=opts["quick"],
+    )
+    if dist.get_rank() != 0:
+        return None
+    key = profile.save(hw, opts["path"])
+    print(
+        f"# schemoe profile: {topo.nodes} node(s) x {topo.ranks_per_node} rank(s), "
+        f"saved as {key!r} in {opts['path'] or profile.DEFAULT_PATH}"
+    )
+    print(
+        f"intra: alpha {hw.intra.alpha * 1e6:.1f} us, {hw.intra.beta / 1e9:.3f} GB/s; "
+        f"inter (per node): alpha {hw.inter.alpha * 1e6:.1f} us, {hw.inter.beta / 1e9:.3f} GB/s"
+    )
+    print(
+        f"experts: {hw.flops / 1e9:.2f} GFLOP/s, {hw.gemm_alpha * 1e6:.1f} us per GEMM; "
+        f"memory {hw.memory / 1e9:.2f} GB/s; per task {hw.task_overhead * 1e6:.1f} us; "
+        f"per step {hw.step_overhead * 1e3:.2f} ms"
+    )
+    print(json.dumps({"key": key, "hardware": hw.to_json(), "points": pts}))
+    return hw.to_json()
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .._dist import init_process_group, spawn
+    from ..testbed.netns import parse_rate
+
+    opts = {
+        "ranks_per_node": args.ranks_per_node,
+        "model_dim": args.model_dim,
+        "hidden": args.hidden,
+        "quick": args.quick,
+        "path": args.path,
+        "rate_bps": parse_rate(args.link_rate) if args.link_rate else None,
+    }
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched (torchrun, testbed)
+        import torch.distributed as dist
+
+        init_process_group("gloo", timeout_s=args.timeout)
+        try:
+            _rank(dist.get_rank(), dist.get_world_size(), opts)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    if args.ranks_per_node is None:
+        opts["ranks_per_node"] = max(1, args.nproc // 2)
+    spawn(_rank, args.nproc, opts, timeout=args.timeout)
+    return 0
+
+
+def _shape(args, hw):
+    from .model import LayerShape
+
+    return LayerShape(
+        tokens=args.tokens,
+        model_dim=args.model_dim,
+        hidden_dim=args.hidden,
+        experts=args.experts or hw.world,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        activation=args.activation,
+        dtype_bytes=args.dtype_bytes,
+    )
+
+
+def _systems(hw, shape, layers: int, dense: float) -> list[dict]:
+    """Each system as it ships (PAPER.md 'Baselines'): tutel, fastermoe uncompressed on a plain
+    all-to-all at their best r; schemoe with Pipe-A2A and ZFP at the paper's r = 2."""
+    from .tune import predict
+
+    rows = []
+    for pol in ("tutel", "fastermoe"):
+        rs = range(1, min(8, hw.world) + 1)
+        best = min(
+            (predict(hw, shape, pol, "naive", ("none", "none"), r) for r in rs),
+            key=lambda p: p.step_s,
+        )
+        rows.append(best)
+    rows.append(predict(hw, shape, "schemoe", "pipe", ("zfp", "zfp"), 2))
+    return [{**p.row(), "predicted_ms": round(layers * (p.step_s + dense) * 1e3, 3)} for p in rows]
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from ..trace import gantt
+    from . import profile
+    from .hardware import preset
+    from .tune import explore, predict
+
+    if args.profile:
+        hw = profile.load(args.nodes, args.ranks_per_node, path=args.profile)
+        if hw is None:
+            raise ValueError(f"no profile for {args.nodes}x{args.ranks_per_node} in {args.profile}")
+    else:
+        hw = preset(args.preset)
+    if args.nodes or args.ranks_per_node:
+        hw = hw.with_topology(args.nodes or hw.nodes, args.ranks_per_node or hw.ranks_per_node)
+    shape = _shape(args, hw)
+    # Attention (not simulated by the MoE model): 8 D^2 + 4 L D FLOP per token forward, x3.
+    dense = 0.0
+    if args.seq_len:
+        dense = 3 * shape.tokens * (8 * shape.model_dim**2 + 4 * args.seq_len * shape.model_dim)
+        dense /= hw.flops
+    preds = explore(hw, shape, args.budget, max_chunks=args.max_chunks)
+    rows = []
+    for pol in POLICY_ROWS:
+        best = next(p for p in preds if p.policy == pol)
+        rows.append(
+            {**best.row(), "predicted_ms": round(args.layers * (best.step_s + dense) * 1e3, 3)}
+        )
+    chosen = preds[0]
+    print(
+        f"# schemoe simulate: preset {hw.name}, {hw.nodes} x {hw.ranks_per_node} ranks, "
+        f"{args.layers} layer(s), T={shape.tokens}/rank D={shape.model_dim} "
+        f"H={shape.hidden_dim} E={shape.experts} k={shape.top_k} f={shape.capacity_factor}, "
+        f"C={shape.capacity}, budget {args.budget}, attention {dense * 1e3:.3f} ms/layer"
+    )
+    print(f"{'policy':>10} {'algorithm':>9} {'compressor':>10} {'r':>2} {'step ms':>10}")
+    for r in rows:
+        print(
+            f"{r['policy']:>10} {r['algorithm']:>9} {r['compressor']:>10} {r['chunks']:>2} "
+            f"{r['predicted_ms']:>10.3f}"
+        )
+    chosen_ms = round(args.layers * (chosen.step_s + dense) * 1e3, 3)
+    out = {
+        "preset": hw.name,
+        "results": rows,
+        "chosen": {**chosen.row(), "predicted_ms": chosen_ms},
+    }
+    print(f"chosen: {out['chosen']}")
+    if args.systems:
+        out["systems"] = _systems(hw, shape, args.layers, dense)
+        for r in out["systems"]:
+            print(f"as shipped: {r}")
+    if args.png:
+        events: list = []
+        predict(
+            hw,
+            shape,
+            chosen.policy,
+            chosen.algorithm,
+            chosen.compressors,
+            chosen.chunks,
+            events=events,
+        )
+        gantt(
+            events,
+            args.png,
+            f"simulated: {chosen.policy} {chosen.algorithm} "
+            f"{chosen.compressor} r={chosen.chunks} on {hw.name}",
+        )
+        print(f"wrote {args.png}")
+    print(json.dumps(out))
+    return 0
+
+
+def _bench_rows(path: str) -> tuple[dict, list[dict]]:
+    """(config, measured rows) of a saved `schemoe bench layer` output: its '# config:' header
+    line and its last JSON line."""
+    config, summary = {}, None
+    with open(path) as f:
+        for line in f:
+            if line.startswith("# config:"):
+                config = dict(kv.split("=", 1) for kv in line[len("# config:") :].split())
+            elif line.startswith("{"):
+                summary = json.loads(line)
+    if summary is None or not config:
+        raise ValueError(f"{path} holds no `schemoe bench layer` header and JSON line")
+    from .model import A2A_MODELS
+
+    return config, [r for r in summary["results"] if r["algorithm"] in A2A_MODELS]
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Predict every row of saved bench outputs; print errors; optional predicted-vs-measured PNG."""
+    from .. import config as c
+    from . import profile
+    from .tune import predict_config
+
+    points = []
+    for spec in args.runs:
+        bench, _, prof = spec.partition("=")
+        cfg, rows = _bench_rows(bench)
+        hw = profile.load(None, None, path=prof or args.profile)
+        if hw is None:
+            raise ValueError(f"no profile in {prof or args.profile}")
+        for r in rows:
+            fwd, _, bwd = r["compressor"].partition("/")
+            moe = c.MoEConfig(
+                gate=c.GateConfig(
+                    num_experts=int(cfg["experts"]),
+                    top_k=int(cfg["top_k"]),
+                    capacity_factor=float(cfg["f"]),
+                ),
+                experts=c.ExpertConfig(
+                    model_dim=int(cfg["model_dim"]), hidden_dim=int(cfg["hidden"])
+                ),
+                schedule=c.ScheduleConfig(policy=r["policy"], chunks=int(r["chunks"])),
+                collective=c.CollectiveConfig(algorithm=r["algorithm"]),
+                compression=c.CompressionConfig(forward=fwd, backward=bwd or fwd),
+            )
+            pred = predict_config(moe, int(cfg["tokens"]), hw).step_s * 1e3
+            err = (pred - r["median_ms"]) / r["median_ms"]
+            points.append(
+                {
+                    **{k: r[k] for k in ("policy", "algorithm", "compressor", "chunks")},
+                    "tokens": int(cfg["tokens"]),
+                    "model_dim": int(cfg["model_dim"]),
+                    "hidden": int(cfg["hidden"]),
+                    "measured_ms": round(r["median_ms"], 2),
+                    "predicted_ms": round(pred, 2),
+                    "error": round(err, 4),
+                }
+            )
+    errs = sorted(abs(p["error"]) for p in points)
+    if not errs:
+        raise ValueError("no rows with a modelled algorithm in the given bench outputs")
+    for p in points:
+        print(
+            f"{p['policy']:>10} {p['algorithm']:>6} {p['compressor']:>5} r={p['chunks']} "
+            f"T={p['tokens']} D={p['model_dim']} H={p['hidden']}: measured "
+            f"{p['measured_ms']:8.1f} ms, predicted {p['predicted_ms']:8.1f} ms "
+            f"({p['error'] * 100:+.1f}%)"
+        )
+    med, worst = statistics.median(errs), errs[-1]
+    summary = {
+        "configurations": len(points),
+        "median_abs_error": round(med, 4),
+        "worst_abs_error": round(worst, 4),
+        "points": points,
+    }
+    if args.png:
+        _scatter(points, args.png, f"median |error| {med * 100:.1f}%, worst {worst * 100:.1f}%")
+        print(f"wrote {args.png}")
+    print(json.dumps(summary))
+    return 0
+
+
+def _scatter(points: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for pol in sorted({p["policy"] for p in points}):
+        ps = [p for p in points if p["policy"] == pol]
+        ax.scatter([p["measured_ms"] for p in ps], [p["predicted_ms"] for p in ps], s=14, label=pol)
+    lo = min(min(p["measured_ms"], p["predicted_ms"]) for p in points) * 0.9
+    hi = max(max(p["measured_ms"], p["predicted_ms"]) for p in points) * 1.1
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.fill_between(
+        [lo, hi],
+        [lo * 0.85, hi * 0.85],
+        [lo * 1.15, hi * 1.15],
+        color="gray",
+        alpha=0.15,
+        label="±15%",
+    )
+    ax.set(
+        xlim=(lo, hi),
+        ylim=(lo, hi),
+        xlabel="measured step (ms)",
+        ylabel="simulated step (ms)",
+        title=title,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _guard(fn):
+    def call(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as e:
+            print(f"schemoe {args.command}: error: {e}", file=sys.stderr)
+            return 2
+
+    return call
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="fit the cost model's constants on this cluster")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="default: nproc / 2")
+    p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. 1gbit")
+    p.add_argument("--path", default=None, help="cache file (default ~/.cache/schemoe/...)")
+    p.add_argument("--model-dim", type=int, default=512, help="GEMM shape to fit at")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=_guard(_profile))
+
+    s = subparsers.add_parser("simulate", help="predicted step time per policy on a preset")
+    s.add_argument("--preset", default="paper-32gpu", help="local, paper-32gpu, h100-64gpu")
+    s.add_argument("--profile", default=None, help="a profile cache file instead of a preset")
+    s.add_argument("--nodes", type=int, default=None, help="override the preset's node count")
+    s.add_argument("--ranks-per-node", type=int, default=None)
+    s.add_argument("--layers", type=int, default=1)
+    s.add_argument("--tokens", type=int, required=True, help="tokens per rank (B x L)")
+    s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
+    s.add_argument("--model-dim", type=int, required=True)
+    s.add_argument("--hidden", type=int, required=True)
+    s.add_argument("--experts", type=int, default=None, help="default: one per rank")
+    s.add_argument("--top-k", type=int, default=2)
+    s.add_argument("--capacity-factor", type=float, default=1.0)
+    s.add_argument("--activation", default="gelu", choices=["relu", "gelu", "swiglu"])
+    s.add_argument("--dtype-bytes", type=int, default=4, choices=[2, 4])
+    s.add_argument("--budget", default="lossless", choices=["lossless", "fp16", "lossy"])
+    s.add_argument("--max-chunks", type=int, default=8)
+    s.add_argument("--systems", action="store_true", help="also each system as it ships")
+    s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")
+    s.set_defaults(func=_guard(_simulate))
+
+    v = subparsers.add_parser("validate", help="simulated vs measured `schemoe bench layer` rows")
+    v.add_argument("runs", nargs="+", help="saved bench outputs, each BENCH.txt[=PROFILE.json]")
+    v.add_argument("--profile", default=None, help="profile cache for runs without =PROFILE")
+    v.add_argument("--png", default=None, help="predicted-vs-measured scatter plot")
+    v.set_defaults(func=_guard(_validate))

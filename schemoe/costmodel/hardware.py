@@ -1,0 +1,215 @@
+"""The constants of the cost model: one `Hardware` record per cluster, fitted or preset.
+
+A `Hardware` is what `schemoe profile` fits on the running cluster and what the presets describe
+for clusters nobody here has. Every number is per rank unless it says per node, in seconds, bytes
+and FLOP:
+
+    intra        the rank's link to the other ranks of its node (loopback, PCIe, NVLink):
+                 t = alpha + bytes / beta for one transfer of `bytes` leaving the rank
+    inter        the node's network link (NIC), shared by the node's ranks:
+                 t = alpha + bytes / beta for `bytes` leaving the node
+    flops        expert GEMM throughput of one rank (FLOP/s, achieved, not peak), and
+    gemm_alpha   fixed cost per GEMM call (launch, Python, small-matrix inefficiency)
+    memory       bytes per second one rank copies (index_select / index_copy of rows)
+    codecs       compressor name -> (encode, decode) seconds per input byte (float side)
+    task_overhead  executor cost per task (ordering logic, the runner, posting a transfer)
+    step_overhead  fixed cost of one layer step outside the scheduled region (Python, autograd)
+    backend      "gloo" or "nccl": how a plain all-to-all combines its intra and inter pairs
+    host_ranks, host_cores   CPU ranks sharing one host's cores (the emulated testbed runs every
+                 rank on one box); `flops`, `memory` and the codecs are then measured with all
+                 host_ranks computing at once. host_cores = 0: every rank has its own device
+
+Presets (`PRESETS`, `preset(name)`):
+
+    local        this machine: 2 emulated nodes x 2 CPU ranks on loopback over gloo (a profile of
+                 the 2-core dev box; run `schemoe profile` for your own)
+    paper-32gpu  the ScheMoE paper's cluster, 8 nodes x 4 RTX 2080Ti, PCIe 3.0, 100 Gb/s IB
+    h100-64gpu   8 nodes x 8 H100, NVLink (~450 GB/s per GPU) + 400 Gb/s IB per GPU
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+
+__all__ = ["PRESETS", "Hardware", "Link", "preset"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: `alpha` seconds per transfer plus `beta` bytes per second."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.beta > 0):
+            raise ValueError(f"a link needs alpha >= 0 s and beta > 0 B/s, got {self}")
+
+    def time(self, nbytes: float) -> float:
+        """t = alpha + bytes / beta (PipeMoE's linear model); an empty transfer costs nothing."""
+        return 0.0 if nbytes <= 0 else self.alpha + nbytes / self.beta
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cost model's constants for one cluster (see the module docstring for units)."""
+
+    name: str
+    nodes: int
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+    flops: float
+    gemm_alpha: float
+    memory: float
+    codecs: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    task_overhead: float = 0.0
+    step_overhead: float = 0.0
+    backend: str = "gloo"
+    link_rate_bps: float | None = None
+    host_ranks: int = 1
+    host_cores: int = 0
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(
+                f"need nodes, ranks_per_node >= 1, got {self.nodes}, {self.ranks_per_node}"
+            )
+        if self.flops <= 0 or self.memory <= 0:
+            raise ValueError(f"flops and memory must be > 0, got {self.flops}, {self.memory}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def codec(self, name: str) -> tuple[float, float]:
+        """(encode, decode) seconds per input byte of compressor `name`; `none` is free.
+
+        Unknown compressors raise ValueError listing the ones this record knows."""
+        if name == "none":
+            return (0.0, 0.0)
+        if name not in self.codecs:
+            raise ValueError(
+                f"no codec cost for compressor {name!r} in hardware {self.name!r}; known: "
+                f"{', '.join(sorted(self.codecs)) or 'none'} (run `schemoe profile`)"
+            )
+        return tuple(self.codecs[name])
+
+    def with_topology(self, nodes: int, ranks_per_node: int) -> Hardware:
+        """The same constants for another node count (the per-rank and per-node rates stay)."""
+        return replace(self, nodes=nodes, ranks_per_node=ranks_per_node)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["codecs"] = {k: list(v) for k, v in self.codecs.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> Hardware:
+        d = dict(d)
+        d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
+        d["codecs"] = {k: tuple(v) for k, v in d.get("codecs", {}).items()}
+        return cls(**d)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True)
+
+
+def _gpu_codecs(mem: float, zfp_enc: float, zfp_dec: float) -> dict[str, tuple[float, float]]:
+    """Elementwise codecs on a GPU are memory-bound: an fp32 -> 16-bit cast reads 4 and writes 2
+    bytes per value (1.5 bytes of traffic per input byte); fp8/int8 read 4, write 1, plus a row
+    max pass (2.25). ZFP's rates are assumptions (cuZFP-class fixed-rate kernels)."""
+    cast, block = 1.5 / mem, 2.25 / mem
+    return {
+        "fp16": (cast, cast),
+        "bf16": (cast, cast),
+        "fp8": (block, cast),
+        "int8": (block, cast),
+        "zfp": (1 / zfp_enc, 1 / zfp_dec),
+    }
+
+
+# The paper's cluster. PipeMoE (INFOCOM'23) fitted on it: a 32-GPU NCCL all-to-all takes
+# 2.09e-4 s + 3.55e-10 s/B x S (S bytes of input per rank), and a GEMM 1.5e-4 s + 3.73e-14 s per
+# m*n*k*4, i.e. 2 FLOP per 4 x 3.73e-14 s = 13.4 TFLOP/s (the 2080Ti's fp32 peak). NCCL runs a
+# plain all-to-all's pairs as one group (t = t_intra + t_inter, PAPER.md section 2); with P = 32,
+# M = 4 a rank sends 3S/32 over PCIe and its node 3.5S over the NIC, so with PCIe 3.0 at 8 GB/s
+# per GPU the fit's 3.55e-10 s/B leaves 3.5 / (3.55e-10 - 3/32/8e9) = 10.2 GB/s for the NIC
+# (82% of 100 Gb/s). The fit's alpha is split 3e-5 (PCIe) + 1.79e-4 (IB).
+PAPER_32GPU = Hardware(
+    name="paper-32gpu",
+    nodes=8,
+    ranks_per_node=4,
+    intra=Link(alpha=3.0e-5, beta=8.0e9),
+    inter=Link(alpha=1.79e-4, beta=10.2e9),
+    flops=1.0 / (4 * 3.73e-14) * 2,
+    gemm_alpha=1.5e-4,
+    memory=5.0e11,
+    codecs=_gpu_codecs(5.0e11, 1.0e11, 1.5e11),
+    task_overhead=2.0e-5,
+    step_overhead=1.0e-3,
+    backend="nccl",
+    link_rate_bps=100e9,
+    notes="PipeMoE constants (PAPER.md); PCIe 3.0 8 GB/s per GPU; memory 500 GB/s (616 peak)",
+)
+
+# 8 x 8 H100 SXM: NVLink 4 moves ~450 GB/s per GPU each way; one 400 Gb/s NDR NIC per GPU, so a
+# node's network link carries 8 x 50 GB/s (~45 GB/s achieved each); bf16 GEMMs at ~700 TFLOP/s
+# achieved (989 dense peak); HBM3 at ~3 TB/s achieved (3.35 peak).
+H100_64GPU = Hardware(
+    name="h100-64gpu",
+    nodes=8,
+    ranks_per_node=8,
+    intra=Link(alpha=1.0e-5, beta=450e9),
+    inter=Link(alpha=2.0e-5, beta=8 * 45e9),
+    flops=700e12,
+    gemm_alpha=1.0e-5,
+    memory=3.0e12,
+    codecs=_gpu_codecs(3.0e12, 6.0e11, 8.0e11),
+    task_overhead=1.0e-5,
+    step_overhead=3.0e-4,
+    backend="nccl",
+    link_rate_bps=8 * 400e9,
+    notes="NVLink 450 GB/s/GPU, 8 x 400 Gb/s IB per node, bf16 700 TFLOP/s, HBM 3 TB/s",
+)
+
+# This box: 2 emulated nodes x 2 CPU ranks on plain loopback (no shaping), all four ranks on the
+# 2-core dev machine, gloo: `schemoe profile --nproc 4 --ranks-per-node 2` (rounded; 11 s). A
+# starting point only: CPU numbers move with the machine's load, so profile your own.
+LOCAL = Hardware(
+    name="local",
+    nodes=2,
+    ranks_per_node=2,
+    intra=Link(alpha=2.5e-3, beta=0.87e9),
+    inter=Link(alpha=1.6e-3, beta=1.8e9),
+    flops=7.4e10,
+    gemm_alpha=2.7e-4,
+    memory=2.4e9,
+    codecs={
+        "fp16": (8.8e-10, 1.1e-10),
+        "bf16": (1.3e-10, 1.6e-10),
+        "fp8": (9.3e-10, 2.0e-9),
+        "int8": (1.9e-9, 8.1e-10),
+        "zfp": (1.1e-8, 9.9e-9),
+    },
+    task_overhead=0.0,
+    step_overhead=3.4e-3,
+    backend="gloo",
+    host_ranks=4,
+    host_cores=2,
+    notes="loopback, 4 CPU ranks on 2 cores (gloo); profile your own machine",
+)
+
+PRESETS: dict[str, Hardware] = {h.name: h for h in (LOCAL, PAPER_32GPU, H100_64GPU)}
+
+
+def preset(name: str) -> Hardware:
+    """The preset `name`; unknown names raise ValueError listing the presets."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

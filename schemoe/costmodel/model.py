@@ -1,0 +1,351 @@
+"""Per-task cost functions: pure functions of a `Hardware` record and a layer shape.
+
+Legend: P ranks, M ranks per node (PAPER.md's M; `model_dim` is the model width), N = P / M
+nodes, S bytes a rank sends in one all-to-all, E experts, El = E / P, C capacity rows per expert
+per rank, D model dim, H hidden dim, b bytes per element.
+
+An all-to-all is described by `sends`: sends[o] bytes go from every rank r to rank (r + o) % P
+(the same on every rank; o = 0 is the rank's own rows, a local copy). The capacity partition
+sends S/P to every offset; FasterMoE's peers partition sends to a group of offsets per chunk.
+Node-major ranks: rank r = n * M + l talks to its node when (l + o) % P < M (counted on node 0,
+the same on every node by symmetry).
+
+`CostModel` binds the constants, the shape, the algorithm and the compressors, and turns any
+`TaskGraph` of the layer into task durations (`TaskCosts`) for `simulator.run` and the policies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..scheduling.tasks import Task, TaskGraph
+from .hardware import Hardware
+
+__all__ = [
+    "A2A_MODELS",
+    "CostModel",
+    "LayerShape",
+    "TaskCosts",
+    "a2a_hier2d",
+    "a2a_leader",
+    "a2a_naive",
+    "a2a_pairwise",
+    "a2a_pipe",
+    "codec_time",
+    "copy_time",
+    "expert_flops",
+    "expert_time",
+    "sharing_scale",
+    "split_bytes",
+]
+
+
+def split_bytes(sends: Sequence[float], M: int) -> tuple[list[float], float]:
+    """(intra bytes leaving each local rank l, bytes leaving the node over its NIC)."""
+    P = len(sends)
+    intra = [sum(s for o, s in enumerate(sends) if o and (l + o) % P < M) for l in range(M)]
+    nic = sum(s for l in range(M) for o, s in enumerate(sends) if (l + o) % P >= M)
+    return intra, nic
+
+
+def a2a_naive(hw: Hardware, sends: Sequence[float]) -> float:
+    """One all_to_all_single over all P ranks.
+
+    NCCL runs the P pairs as one group on one stream, so intra and inter pairs share its time
+    (ScheMoE section 2): t = t_intra + t_inter. gloo posts every pair on its own socket at once,
+    so the node's loopback and NIC move bytes together: t = max(t_intra, t_inter) (measured on
+    the testbed: a plain all-to-all takes what its inter-node part alone takes). With
+    t_intra = intra.alpha + max_l B_l / intra.beta and t_inter = inter.alpha + B_nic / inter.beta.
+    """
+    intra, nic = split_bytes(sends, hw.ranks_per_node)
+    t1, t2 = hw.intra.time(max(intra)), hw.inter.time(nic)
+    return t1 + t2 if hw.backend == "nccl" else max(t1, t2)
+
+
+def a2a_pipe(hw: Hardware, sends: Sequence[float]) -> dict[str, float]:
+    """Pipe-A2A (ScheMoE section 2): the intra pairs on one communicator, the inter pairs on
+    another, at once: one task per link, t_link = alpha + bytes / beta; the layer's A task takes
+    max(t_intra, t_inter) when both links are free."""
+    intra, nic = split_bytes(sends, hw.ranks_per_node)
+    return {"intra": hw.intra.time(max(intra)), "inter": hw.inter.time(nic)}
+
+
+def a2a_hier2d(hw: Hardware, sends: Sequence[float]) -> float:
+    """Tutel's 2DH, in phases (collectives/hier2d.py): a split all-gather in the node (alpha),
+    an intra-node all-to-all that hands local rank j every row for (any node, j), a local
+    permute of all S bytes, an inter-node all-to-all among same-local-rank peers (the NIC moves
+    naive's bytes in N - 1 larger messages):
+
+        t = intra.alpha + intra(S_j) + S / memory + inter(B_nic),  S_j = rows to other locals
+    """
+    P, M = len(sends), hw.ranks_per_node
+    total = sum(sends)
+    to_other_local = max(
+        sum(s for o, s in enumerate(sends) if (l + o) % P % M != l) for l in range(M)
+    )
+    _, nic = split_bytes(sends, M)
+    split_gather = hw.intra.alpha if M > 1 else 0.0
+    return split_gather + hw.intra.time(to_other_local) + total / hw.memory + hw.inter.time(nic)
+
+
+def a2a_leader(hw: Hardware, sends: Sequence[float]) -> float:
+    """1D hierarchical (collectives/leader.py): a split all-gather, gather to the node leader
+    ((M - 1) S bytes into one rank), two permutes of the node's M S bytes at the leader, one
+    exchange among leaders (naive's NIC bytes), scatter back ((M - 1) S out of the leader):
+
+        t = intra.alpha + 2 intra((M - 1) S) + 2 M S / memory + inter(B_nic)
+    """
+    M = hw.ranks_per_node
+    total = sum(sends)
+    _, nic = split_bytes(sends, M)
+    local = hw.intra.time((M - 1) * total)
+    split_gather = hw.intra.alpha if M > 1 else 0.0
+    return split_gather + 2 * local + 2 * M * total / hw.memory + hw.inter.time(nic)
+
+
+def a2a_pairwise(hw: Hardware, sends: Sequence[float]) -> float:
+    """P - 1 steps, one peer pair at a time (collectives/pairwise.py); step o sends sends[o] to
+    rank + o. A step is as slow as its slowest local rank; the k_o local ranks whose step-o peer
+    is on another node share the NIC:
+
+        t = sum_o max_l (intra(sends[o]) if (l + o) % P < M else inter(k_o sends[o]))
+    """
+    P, M = len(sends), hw.ranks_per_node
+    t = 0.0
+    for o in range(1, P):
+        k = sum(1 for l in range(M) if (l + o) % P >= M)
+        step = [
+            hw.intra.time(sends[o]) if (l + o) % P < M else hw.inter.time(k * sends[o])
+            for l in range(M)
+        ]
+        t += max(step)
+    return t
+
+
+# name -> (links it occupies, f(hw, sends) -> seconds per link). Algorithms without an entry
+# cannot be simulated (tune skips them and says so).
+A2A_MODELS: dict[str, tuple[tuple[str, ...], Callable[[Hardware, Sequence[float]], dict]]] = {
+    "naive": (("net",), lambda hw, s: {"net": a2a_naive(hw, s)}),
+    "pipe": (("intra", "inter"), a2a_pipe),
+    "hier2d": (("net",), lambda hw, s: {"net": a2a_hier2d(hw, s)}),
+    "leader": (("net",), lambda hw, s: {"net": a2a_leader(hw, s)}),
+    "pairwise": (("net",), lambda hw, s: {"net": a2a_pairwise(hw, s)}),
+}
+
+
+def expert_flops(rows: int, model_dim: int, hidden: int, activation: str = "gelu") -> float:
+    """Forward FLOPs of the batched FFN on `rows` rows: 2 rows D H per GEMM, 2 GEMMs (3 for
+    swiglu). Backward costs twice that (input and weight gradients; Kaplan et al. 2020)."""
+    gemms = 3 if activation == "swiglu" else 2
+    return 2.0 * rows * model_dim * hidden * gemms
+
+
+def expert_time(
+    hw: Hardware,
+    rows: int,
+    model_dim: int,
+    hidden: int,
+    activation: str = "gelu",
+    backward: bool = False,
+    wgrad_bytes: float = 0.0,
+) -> float:
+    """t = g gemm_alpha + FLOPs / flops (PipeMoE's t_gemm = alpha + beta m n k per GEMM), with
+    g GEMM calls: 2 (3 swiglu) forward, twice that backward. Backward also writes (and sums
+    into the accumulated) weight gradients: + wgrad_bytes / memory."""
+    if rows <= 0:
+        return 0.0
+    mult = 2 if backward else 1
+    gemms = (3 if activation == "swiglu" else 2) * mult
+    flops = mult * expert_flops(rows, model_dim, hidden, activation)
+    return gemms * hw.gemm_alpha + flops / hw.flops + (wgrad_bytes / hw.memory if backward else 0)
+
+
+def sharing_scale(hw: Hardware, busy: float) -> float:
+    """How much faster compute runs than profiled when ranks share a host's cores and are not in
+    lockstep: with n = host_ranks ranks on c = host_cores cores, each computing a fraction
+    `busy` of the time independently, a computing rank shares the cores with
+    k = 1 + (n - 1) busy ranks on average and runs at min(1, c / k) of a core, against c / n when
+    profiled (all n computing): duration scale = max(k, c) / n. 1 without sharing."""
+    n, c = hw.host_ranks, hw.host_cores
+    if c <= 0 or n <= c:
+        return 1.0
+    k = 1 + (n - 1) * min(max(busy, 0.0), 1.0)
+    return max(k, c) / n
+
+
+def codec_time(hw: Hardware, name: str, raw_bytes: float, decode: bool = False) -> float:
+    """t = raw_bytes x (encode or decode seconds per float-side byte); `none` is free."""
+    enc, dec = hw.codec(name)
+    return raw_bytes * (dec if decode else enc)
+
+
+def copy_time(hw: Hardware, nbytes: float) -> float:
+    """A row gather/scatter (index_select, index_copy) of `nbytes`: nbytes / memory."""
+    return nbytes / hw.memory
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer call on every rank: `tokens` per rank, E experts over P ranks."""
+
+    tokens: int
+    model_dim: int
+    hidden_dim: int
+    experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    activation: str = "gelu"
+    dtype_bytes: int = 4
+
+    @property
+    def capacity(self) -> int:
+        """C = ceil(f k T / E) (gating/router.py); dropless (f = 0): the mean k T / E."""
+        f = self.capacity_factor or 1.0
+        return math.ceil(f * self.top_k * self.tokens / self.experts)
+
+    @classmethod
+    def of(cls, config, tokens: int, dtype_bytes: int = 4) -> LayerShape:
+        g, e = config.gate, config.experts
+        return cls(
+            tokens,
+            e.model_dim,
+            e.hidden_dim,
+            g.num_experts,
+            g.top_k,
+            g.capacity_factor,
+            e.activation,
+            dtype_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class TaskCosts:
+    """Seconds per task of one graph, and the executor's cost per task (on the compute thread,
+    for compute tasks and for posting each transfer)."""
+
+    durations: Mapping[Task, float]
+    overhead: float = 0.0
+
+
+def _part(n: int, i: int, r: int) -> int:
+    return n * (i + 1) // r - n * i // r
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The costs of one layer on one cluster: a CostModel for policies and the simulator.
+
+    `task_costs(graph)` gives every task of a forward or backward graph its duration; chunk
+    sizes follow scheduling/plan.py (capacity: C*(i+1)//r - C*i//r rows of every expert;
+    peers: whole experts for offsets [P i // r, P (i + 1) // r)).
+    """
+
+    hardware: Hardware
+    shape: LayerShape
+    algorithm: str = "naive"
+    compressors: tuple[str, str] = ("none", "none")
+    wire: Mapping[str, float] = field(default_factory=dict)  # compressor -> wire/raw bytes
+    compute_scale: float = 1.0  # multiplies every compute task (sharing_scale)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in A2A_MODELS:
+            raise ValueError(
+                f"no cost model for all-to-all {self.algorithm!r}; known: "
+                f"{', '.join(sorted(A2A_MODELS))}"
+            )
+        if self.shape.experts % self.hardware.world:
+            raise ValueError(
+                f"{self.shape.experts} experts do not split over {self.hardware.world} ranks"
+            )
+
+    @property
+    def links(self) -> tuple[str, ...]:
+        return A2A_MODELS[self.algorithm][0]
+
+    def _ratio(self, name: str) -> float:
+        if name == "none":
+            return 1.0
+        if name in self.wire:
+            return self.wire[name]
+        return wire_ratio(name, self.shape.model_dim, self.shape.dtype_bytes)
+
+    @cached_property
+    def _cache(self) -> dict:
+        return {}
+
+    def task_costs(self, graph: TaskGraph) -> TaskCosts:
+        key = (graph.chunks, graph.links, graph.direction, graph.partition)
+        if key not in self._cache:
+            k = self.compute_scale
+            durations = {t: v if t.is_comm else v * k for t, v in self._durations(graph).items()}
+            self._cache[key] = TaskCosts(durations, self.hardware.task_overhead * k)
+        return self._cache[key]
+
+    def _durations(self, graph: TaskGraph) -> dict[Task, float]:
+        hw, sh = self.hardware, self.shape
+        P, r = hw.world, graph.chunks
+        El, C, D, b = sh.experts // P, sh.capacity, sh.model_dim, sh.dtype_bytes
+        if tuple(graph.links) != self.links:
+            raise ValueError(f"graph links {graph.links} are not {self.algorithm}'s {self.links}")
+        backward = graph.direction == "backward"
+        comp = self.compressors[1 if backward else 0]
+        ratio = self._ratio(comp)
+        a2a = A2A_MODELS[self.algorithm][1]
+        permute = P > 1 and El > 1
+        weights = El * D * sh.hidden_dim * (3 if sh.activation == "swiglu" else 2) * b
+        out: dict[Task, float] = {}
+        for i in range(r):
+            if graph.partition == "peers":
+                lo, hi = P * i // r, P * (i + 1) // r
+                pair = [El * C * D * b if lo <= o < hi else 0.0 for o in range(P)]
+                gathered = True
+            else:
+                pair = [El * _part(C, i, r) * D * b] * P
+                gathered = r > 1
+            raw = sum(pair)
+            rows = raw / (D * b)
+            links = a2a(hw, [s * ratio for s in pair])
+            enc, dec = codec_time(hw, comp, raw), codec_time(hw, comp, raw, decode=True)
+            mv = copy_time(hw, raw)
+            out[Task("C", 1, i)] = enc + (mv if gathered else 0.0)
+            out[Task("D", 1, i)] = dec + (mv if permute else 0.0)
+            # Backward: chunk 0's weight gradients are written, later ones also summed into
+            # the accumulator (read both, write one): 1x, then 4x the weights' bytes.
+            wgrad = weights * (1 if i == 0 else 4)
+            out[Task("E", 0, i)] = expert_time(
+                hw, int(rows), D, sh.hidden_dim, sh.activation, backward, wgrad
+            )
+            out[Task("C", 2, i)] = enc + (mv if permute else 0.0)
+            out[Task("D", 2, i)] = dec + (mv if gathered else 0.0)
+            for p in (1, 2):
+                for ln in graph.links:
+                    out[Task("A", p, i, ln)] = links[ln]
+        return out
+
+    def outside(self) -> float:
+        """Seconds of one step outside the scheduled region: the router's GEMM forward and
+        backward (3 x 2 T D E FLOPs), the layout's row copies (encode, decode and their
+        gradients: ~8 E C D b bytes), the blocking counts exchange (one alpha of the slowest
+        link class) and the fitted fixed cost per step."""
+        hw, sh = self.hardware, self.shape
+        gate = 3 * 2.0 * sh.tokens * sh.model_dim * sh.experts / hw.flops
+        layout = 8.0 * sh.experts * sh.capacity * sh.model_dim * sh.dtype_bytes / hw.memory
+        counts = 0.0
+        if hw.world > 1:
+            counts = hw.inter.alpha if hw.nodes > 1 else hw.intra.alpha
+        return (hw.step_overhead + gate + layout) * self.compute_scale + counts
+
+
+def wire_ratio(name: str, model_dim: int, dtype_bytes: int = 4) -> float:
+    """Wire bytes over raw bytes of compressor `name` for rows of `model_dim` values, from the
+    plug-in's own `wire_bytes` (default options)."""
+    import torch
+
+    from .. import compression
+
+    dtype = {4: torch.float32, 2: torch.bfloat16}.get(dtype_bytes, torch.float32)
+    comp = compression.build(name)
+    return comp.wire_bytes(64, model_dim, dtype) / (64 * model_dim * dtype_bytes)

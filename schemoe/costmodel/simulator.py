@@ -1,0 +1,118 @@
+"""Dry-run of a Schedule: the makespan and timeline the executor would produce, from task costs.
+
+`run(schedule, graph, costs)` consumes exactly the objects the executor runs (a
+`schemoe.scheduling.Schedule` and its `TaskGraph`) under the executor's rules
+(scheduling/executor.py):
+
+  * compute tasks run one at a time in the schedule's compute order, each costing its duration
+    plus the executor's per-task overhead;
+  * before each compute task the executor posts every transfer whose inputs exist and whose
+    turn on its link has come (posting costs the per-task overhead on the compute thread);
+  * each link moves one transfer at a time, first-come first-served in the schedule's order: a
+    posted transfer starts when the link is free (measured on the testbed: two plain gloo
+    all-to-alls posted back to back finish at 1x and 2x one's time; the comm-thread algorithms
+    run one job at a time by construction);
+  * a compute task waits for a transfer only when it consumes it.
+
+It returns `(makespan, events)`, the events being `schemoe.trace.Event`s, so `schemoe.trace.gantt`
+draws a simulated timeline exactly as it draws a recorded one.
+
+What it does not model:
+  * contention between links and compute: on CPU, gloo's threads and the kernel's TCP stack take
+    cycles from the compute thread (and NCCL kernels take SMs on a GPU); a link is assumed to move
+    bytes at its rate whatever the compute does. (CPU ranks sharing cores are handled outside,
+    by scaling compute durations: `model.sharing_scale`, applied in `tune.predict`);
+  * other ranks: it follows one representative rank; a gloo collective completing only when the
+    slowest rank reaches it (rank skew, uneven per-rank loads as in fastermoe's peer groups) is
+    not simulated;
+  * the number of TCP flows on a shaped link (hier2d and leader use fewer, slower flows);
+  * bandwidth sharing between transfers in flight on one link: gloo point-to-point batches (the
+    inter part of `pipe`) posted back to back partly overlap instead of queueing strictly;
+  * transfers of different links sharing a NIC or PCIe switch (pipe's two links are independent);
+  * jitter, TCP slow start, tbf's burst bucket;
+  * the cost of `is_completed` polling and tracing; memory allocation; CUDA stream semantics
+    (kernels are taken as run when the host issues them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..scheduling.tasks import COMPUTE, Schedule, Task, TaskGraph
+from ..trace import Event
+from .model import TaskCosts
+
+__all__ = ["run", "task_costs"]
+
+
+def task_costs(costs, graph: TaskGraph) -> TaskCosts:
+    """`costs` as TaskCosts for `graph`: a CostModel (anything with `task_costs(graph)`),
+    TaskCosts, or a plain mapping Task -> seconds (no overhead)."""
+    if hasattr(costs, "task_costs"):
+        costs = costs.task_costs(graph)
+    if isinstance(costs, TaskCosts):
+        return costs
+    if isinstance(costs, Mapping):
+        return TaskCosts(costs, 0.0)
+    raise TypeError(f"costs must be a CostModel, TaskCosts or mapping, got {type(costs).__name__}")
+
+
+def run(
+    schedule: Schedule,
+    graph: TaskGraph,
+    costs,
+    *,
+    direction: str | None = None,
+    origin: float = 0.0,
+    rank: int = 0,
+    record: bool = True,
+) -> tuple[float, list[Event]]:
+    """Simulate `schedule` on `graph`; return (makespan in seconds, events from `origin`).
+
+    Args:
+        schedule: the Schedule the executor would run (not re-checked: call `check` first).
+        graph: its TaskGraph (dependencies).
+        costs: a CostModel, TaskCosts or mapping Task -> seconds; a missing task raises KeyError.
+        direction: the events' direction (default: the graph's).
+        origin: time of the first event (to lay backward after forward on one chart).
+        rank: the events' rank.
+        record: False skips building events (the search policy's inner loop).
+    """
+    tc = task_costs(costs, graph)
+    dur, ovh = tc.durations, tc.overhead
+    direction = direction or graph.direction
+    links = [res for res in schedule.order if res != COMPUTE]
+    heads = dict.fromkeys(links, 0)
+    free = dict.fromkeys(links, origin)  # when each link finishes what it was given
+    done: set[Task] = set()
+    inflight: dict[Task, float] = {}  # transfer -> end time
+    events: list[Event] = []
+    now = origin  # the compute thread's clock
+
+    def issue() -> None:
+        nonlocal now
+        for link in links:
+            q = schedule.order[link]
+            while heads[link] < len(q) and all(d in done for d in graph.deps[q[heads[link]]]):
+                t = q[heads[link]]
+                now += ovh  # posting costs the compute thread
+                start = max(now, free[link])
+                free[link] = end = start + dur[t]
+                inflight[t] = end
+                if record:
+                    events.append(Event(rank, direction, str(t), link, start, end))
+                heads[link] += 1
+
+    for t in schedule.order[COMPUTE]:
+        issue()
+        for d in graph.deps[t]:
+            if d in inflight:  # wait only for what this task consumes
+                now = max(now, inflight.pop(d))
+                done.add(d)
+        start, now = now, now + ovh + dur[t]
+        if record:
+            events.append(Event(rank, direction, str(t), COMPUTE, start, now))
+        done.add(t)
+    issue()
+    end = max([now, *inflight.values()])
+    return end - origin, events

@@ -1,0 +1,374 @@
+"""Predicted step times and auto-tuning: choose policy, r, algorithm and compressor by simulation.
+
+    predict(hw, shape, "schemoe", "pipe", ("fp16", "fp16"), chunks=4) -> Prediction
+    choose(moe_config, tokens_per_rank, topology, hw, accuracy_budget="lossless") -> MoEConfig
+    resolve(config, tokens, topology)   # what MoELayer calls for ScheduleConfig(policy="auto")
+
+A layer step (forward + backward, what `schemoe bench layer` times) is predicted as
+
+    step = makespan(forward schedule) + outside + makespan(backward schedule)
+
+with both makespans from `simulator.run` on the Schedule the policy gives for that graph (the
+`search` policy gets the CostModel) and `outside` the router, layout and counts exchange
+(`CostModel.outside`). `choose` simulates every candidate: policies sequential, tutel, fastermoe
+and schemoe x r in 1..8 (fastermoe: r <= P) x every registered algorithm with a cost model x
+every registered compressor the accuracy budget allows (same one forward and backward):
+
+    lossless  compressors marked lossless (the built-ins: none only)
+    fp16      none, fp16, bf16
+    lossy     every compressor whose codec cost the hardware record has
+
+then re-simulates each r's best with the `search` policy, and returns the fastest as a
+MoEConfig. Decisions are cached per (layer shape, tokens, topology, hardware, budget) and logged
+on the "schemoe.costmodel" logger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from ..config import CollectiveConfig, CompressionConfig, MoEConfig, ScheduleConfig
+from ..scheduling.policies import POLICIES, make_schedule
+from ..scheduling.tasks import TaskGraph
+from . import search as _search  # noqa: F401  (registers the "search" policy)
+from . import simulator
+from .hardware import Hardware
+from .model import A2A_MODELS, CostModel, LayerShape, sharing_scale, wire_ratio
+
+__all__ = [
+    "BUDGETS",
+    "Prediction",
+    "candidates",
+    "choose",
+    "cost_model_for",
+    "explore",
+    "predict",
+    "predict_config",
+    "predict_ms",
+    "resolve",
+]
+
+log = logging.getLogger("schemoe.costmodel")
+
+BUDGETS = ("lossless", "fp16", "lossy")
+BASE_POLICIES = ("sequential", "tutel", "fastermoe", "schemoe")
+_DECISIONS: dict[tuple, MoEConfig] = {}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate's simulated step, seconds."""
+
+    policy: str
+    algorithm: str
+    compressors: tuple[str, str]
+    chunks: int
+    forward_s: float
+    outside_s: float
+    backward_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.outside_s + self.backward_s
+
+    @property
+    def compressor(self) -> str:
+        f, b = self.compressors
+        return f if f == b else f"{f}/{b}"
+
+    def row(self) -> dict:
+        return {
+            "policy": self.policy,
+            "algorithm": self.algorithm,
+            "compressor": self.compressor,
+            "chunks": self.chunks,
+            "predicted_ms": round(self.step_s * 1e3, 4),
+        }
+
+
+def _topology(topology) -> tuple[int, int]:
+    if isinstance(topology, tuple):
+        return topology
+    return topology.nodes, topology.ranks_per_node
+
+
+def predict(
+    hw: Hardware,
+    shape: LayerShape,
+    policy: str,
+    algorithm: str = "naive",
+    compressors: tuple[str, str] = ("none", "none"),
+    chunks: int = 1,
+    *,
+    events: list | None = None,
+) -> Prediction:
+    """Simulate one configuration; append its timeline to `events` if given (forward from 0,
+    backward after forward + outside). When CPU ranks share cores (hw.host_cores), the compute
+    speed depends on how busy the ranks are (`model.sharing_scale`): three fixed-point passes."""
+    partition = POLICIES.get(policy).partition
+    scale, passes = 1.0, 3 if sharing_scale(hw, 0.0) != 1.0 else 1
+    for _ in range(passes):
+        cm = CostModel(hw, shape, algorithm, compressors, compute_scale=scale)
+        out, busy, t0 = {}, cm.outside(), 0.0
+        evs: list = []
+        for direction in ("forward", "backward"):
+            graph = TaskGraph(chunks, cm.links, direction, partition)
+            sched = make_schedule(policy, graph, cm)
+            span, ev = simulator.run(sched, graph, cm, origin=t0, record=events is not None)
+            out[direction] = span
+            evs += ev
+            tc = cm.task_costs(graph)
+            busy += sum(v + tc.overhead for t, v in tc.durations.items() if not t.is_comm)
+            t0 += span + cm.outside()
+        step = out["forward"] + out["backward"] + cm.outside()
+        scale = sharing_scale(hw, busy / step if step else 1.0)
+    if events is not None:
+        events.extend(evs)
+    return Prediction(
+        policy, algorithm, tuple(compressors), chunks, out["forward"], cm.outside(), out["backward"]
+    )
+
+
+def predict_config(
+    config: MoEConfig,
+    tokens: int,
+    hw: Hardware,
+    dtype_bytes: int = 4,
+    *,
+    events: list | None = None,
+) -> Prediction:
+    """The predicted step of `config` (its policy, r, algorithm, compressors) on `hw`."""
+    c = config
+    return predict(
+        hw,
+        LayerShape.of(c, tokens, dtype_bytes),
+        c.schedule.policy,
+        c.collective.algorithm,
+        (c.compression.forward, c.compression.backward),
+        c.schedule.chunks,
+        events=events,
+    )
+
+
+def _compressors(hw: Hardware, shape: LayerShape, budget: str) -> list[str]:
+    from ..compression import COMPRESSORS
+
+    if budget not in BUDGETS:
+        raise ValueError(f"accuracy_budget must be one of {BUDGETS}, got {budget!r}")
+    names = []
+    for name in COMPRESSORS.names():
+        lossless = getattr(COMPRESSORS.get(name), "lossless", False)
+        if budget == "lossless" and not lossless:
+            continue
+        if budget == "fp16" and not (lossless or name in ("fp16", "bf16")):
+            continue
+        try:
+            hw.codec(name)
+            wire_ratio(name, shape.model_dim, shape.dtype_bytes)
+        except (ValueError, ImportError) as e:
+            log.info("tune: skipping compressor %s: %s", name, e)
+            continue
+        names.append(name)
+    return names
+
+
+def candidates(
+    hw: Hardware,
+    shape: LayerShape,
+    budget: str = "lossless",
+    policies=BASE_POLICIES,
+    max_chunks: int = 8,
+) -> list[tuple]:
+    """(policy, algorithm, (fwd, bwd), r) tuples to simulate."""
+    from ..collectives import ALGORITHMS
+
+    algos = [a for a in ALGORITHMS.names() if a in A2A_MODELS]
+    skipped = sorted(set(ALGORITHMS.names()) - set(algos))
+    if skipped:
+        log.info("tune: no cost model for algorithms %s; not considered", skipped)
+    out = []
+    for pol in policies:
+        peers = POLICIES.get(pol).partition == "peers"
+        for r in range(1, max_chunks + 1):
+            if peers and r > hw.world:
+                continue
+            for algo in algos:
+                for comp in _compressors(hw, shape, budget):
+                    out.append((pol, algo, (comp, comp), r))
+    return out
+
+
+def explore(
+    hw: Hardware,
+    shape: LayerShape,
+    budget: str = "lossless",
+    refine: bool = True,
+    max_chunks: int = 8,
+) -> list[Prediction]:
+    """Every candidate's prediction, fastest first. With `refine`, each r's fastest capacity-
+    partition candidate is re-simulated under the search policy (added as policy "search")."""
+    preds = [predict(hw, shape, *c) for c in candidates(hw, shape, budget, max_chunks=max_chunks)]
+    preds.sort(key=lambda p: p.step_s)
+    if refine:
+        best_per_r: dict[int, Prediction] = {}
+        for p in preds:
+            if POLICIES.get(p.policy).partition == "capacity":
+                best_per_r.setdefault(p.chunks, p)
+        preds += [
+            predict(hw, shape, "search", p.algorithm, p.compressors, r)
+            for r, p in sorted(best_per_r.items())
+        ]
+        preds.sort(key=lambda p: p.step_s)
+    return preds
+
+
+def choose(
+    moe_config: MoEConfig,
+    tokens_per_rank: int,
+    topology,
+    costs: Hardware,
+    accuracy_budget: str = "lossless",
+) -> MoEConfig:
+    """The fastest simulated configuration of `moe_config`'s layer (gate and expert settings
+    kept) on `costs` with `topology` ((nodes, ranks_per_node) or a Topology), within the budget.
+    Cached per layer shape; each decision is logged."""
+    nodes, rpn = _topology(topology)
+    hw = costs.with_topology(nodes, rpn)
+    shape = LayerShape.of(moe_config, tokens_per_rank)
+    key = (shape, nodes, rpn, hw.dumps(), accuracy_budget)
+    if key not in _DECISIONS:
+        preds = explore(hw, shape, accuracy_budget)
+        best = preds[0]
+        seq = next(p for p in preds if p.policy == "sequential" and p.chunks == 1)
+        log.info(
+            "tune: %s on %dx%d %s (%s): chose %s (%.3f ms; r=1 sequential %s %.3f ms) "
+            "out of %d candidates",
+            shape,
+            nodes,
+            rpn,
+            hw.name,
+            accuracy_budget,
+            best.row(),
+            best.step_s * 1e3,
+            seq.algorithm,
+            seq.step_s * 1e3,
+            len(preds),
+        )
+        _DECISIONS[key] = dataclasses.replace(
+            moe_config,
+            schedule=ScheduleConfig(policy=best.policy, chunks=best.chunks),
+            collective=CollectiveConfig(algorithm=best.algorithm),
+            compression=CompressionConfig(
+                forward=best.compressors[0],
+                backward=best.compressors[1],
+                options=moe_config.compression.options,
+            ),
+        )
+    return _DECISIONS[key]
+
+
+def _from_rank0(make, topology):
+    """make() on rank 0 of `topology.group`, broadcast to every rank (collective when
+    distributed with several ranks; otherwise just make())."""
+    import torch.distributed as dist
+
+    nodes, rpn = _topology(topology)
+    group = getattr(topology, "group", None)
+    if not (dist.is_available() and dist.is_initialized() and nodes * rpn > 1):
+        return make()
+    box = [make() if dist.get_rank(group) == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def resolve(
+    config: MoEConfig,
+    tokens: int,
+    topology,
+    hardware: Hardware | None = None,
+    profile_path: str | None = None,
+) -> MoEConfig:
+    """`config` itself unless its policy is "auto"; else `choose` on the cached profile of this
+    topology (`schemoe profile`), or the `local` preset when there is none (logged).
+
+    Collective when torch.distributed is initialised and the group has several ranks: rank 0 of
+    `topology.group` decides and broadcasts, so every rank runs the same configuration even if
+    their profile caches differ. Call it on every rank with the same `tokens`.
+    The budget is `config.schedule.accuracy_budget` when that field exists, else "lossless".
+    """
+    if config.schedule.policy != "auto":
+        return config
+    from . import profile
+    from .hardware import preset
+
+    budget = getattr(config.schedule, "accuracy_budget", "lossless")
+    nodes, rpn = _topology(topology)
+
+    def decide() -> MoEConfig:
+        hw = hardware or profile.load(nodes, rpn, path=profile_path)
+        if hw is None:
+            log.info("tune: no cached profile for %dx%d; using the 'local' preset", nodes, rpn)
+            hw = preset("local")
+        return choose(config, tokens, (nodes, rpn), hw, budget)
+
+    return _from_rank0(decide, topology)
+
+
+_COST_MODELS: dict[tuple, CostModel | None] = {}
+
+
+def cost_model_for(
+    config: MoEConfig,
+    tokens: int,
+    topology,
+    hardware: Hardware | None = None,
+    path: str | None = None,
+    dtype_bytes: int = 4,
+) -> CostModel | None:
+    """The CostModel of this layer call for policies (`make_schedule(policy, graph, costs)`):
+    on `hardware`, else the cached profile of the topology; None when there is neither. The
+    same object comes back for the same arguments, so callers may key caches by its id().
+
+    Collective on first use of a (config, tokens) when distributed: rank 0's profile is
+    broadcast, so every rank's `search` sees the same costs and builds the same schedule (the
+    schedules must match: transfers are collectives). Ranks must pass the same `tokens`."""
+    from . import profile
+
+    nodes, rpn = _topology(topology)
+    key = (repr(config), tokens, nodes, rpn, id(hardware), path, dtype_bytes)
+    if key not in _COST_MODELS:
+        hw = _from_rank0(lambda: hardware or profile.load(nodes, rpn, path=path), topology)
+        cm = None
+        if hw is not None and config.collective.algorithm in A2A_MODELS:
+            cm = CostModel(
+                hw.with_topology(nodes, rpn),
+                LayerShape.of(config, tokens, dtype_bytes),
+                config.collective.algorithm,
+                (config.compression.forward, config.compression.backward),
+            )
+        _COST_MODELS[key] = cm
+    return _COST_MODELS[key]
+
+
+def predict_ms(
+    config: MoEConfig,
+    tokens: int,
+    topology,
+    hardware: Hardware | None = None,
+    path: str | None = None,
+    rate_bps: float | None = None,
+    dtype_bytes: int = 4,
+) -> float | None:
+    """Predicted step (forward + backward) of `config` in ms on `hardware`, else on the cached
+    profile of `topology` (and link rate); None when there is no profile or no model for the
+    algorithm. What `schemoe bench layer --predict` reports as `predicted_ms`."""
+    from . import profile
+
+    nodes, rpn = _topology(topology)
+    hw = hardware or profile.load(nodes, rpn, rate_bps, path=path)
+    if hw is None or config.collective.algorithm not in A2A_MODELS:
+        return None
+    return predict_config(config, tokens, hw.with_topology(nodes, rpn), dtype_bytes).step_s * 1e3
