@@ -1,6 +1,12 @@
 """schemoe: Mixture-of-Experts training with scheduled, overlapped expert-parallel communication."""
 
-from . import collectives, compression, scheduling, trace
+from . import (
+    collectives,
+    compression,
+    costmodel,  # noqa: F401 (registers the "search" policy)
+    scheduling,
+    trace,
+)
 from .config import (
     CollectiveConfig,
     CompressionConfig,

@@ -12,6 +12,7 @@ __all__ = ["main"]
 # Modules that add sub-commands, in help order.
 COMMANDS = [
     "schemoe.train",
+    "schemoe.checkpoint",
     "schemoe.testbed.cli",
     "schemoe.bench.cli",
     "schemoe.costmodel.cli",

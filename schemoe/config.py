@@ -135,10 +135,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
-    """Task scheduling: the policy that orders the tasks and r, the number of chunks."""
+    """Task scheduling: the policy that orders the tasks and r, the number of chunks.
+
+    policy="auto" lets the cost model choose policy, r, all-to-all algorithm and compressors
+    (see schemoe.costmodel.tune) once per layer, on its first call, within accuracy_budget:
+    "lossless" (no compression), "fp16" (none/fp16/bf16) or "lossy" (every compressor)."""
 
     policy: str = "sequential"
     chunks: int = 1
+    accuracy_budget: str = "lossless"
 
     def __post_init__(self) -> None:
         _need(
@@ -146,6 +151,11 @@ class ScheduleConfig:
             f"policy must be a name, got {self.policy!r}",
         )
         _int("chunks", self.chunks, 1)
+        budgets = ("lossless", "fp16", "lossy")
+        _need(
+            self.accuracy_budget in budgets,
+            f"accuracy_budget must be one of {budgets}, got {self.accuracy_budget!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

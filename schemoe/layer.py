@@ -68,12 +68,13 @@ class MoELayer(nn.Module):
         if E % P:
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {P}")
         self.num_local = E // P
-        # Plug-in names are checked here (not in the config) so late registrations work.
-        self._policy = POLICIES.get(config.schedule.policy)
-        self.algorithm = collectives.build(config.collective.algorithm, self.topology)
-        opts = config.compression.options
-        self.forward_compressor = compression.build(config.compression.forward, opts)
-        self.backward_compressor = compression.build(config.compression.backward, opts)
+        # What runs: the config itself, or (policy "auto") what the cost model picks on the
+        # first call. Plug-in names are checked here, not in the config, so late registrations
+        # work.
+        self._run: MoEConfig | None = None
+        self._costs = None
+        if config.schedule.policy != "auto":
+            self._use(config)
 
         self.gate_weight = nn.Parameter(torch.empty(E, M))
         nn.init.uniform_(self.gate_weight, -1 / math.sqrt(M), 1 / math.sqrt(M))
@@ -124,9 +125,35 @@ class MoELayer(nn.Module):
 
         return wait
 
+    def _use(self, cfg: MoEConfig) -> None:
+        self._policy = POLICIES.get(cfg.schedule.policy)
+        self.algorithm = collectives.build(cfg.collective.algorithm, self.topology)
+        opts = cfg.compression.options
+        self.forward_compressor = compression.build(cfg.compression.forward, opts)
+        self.backward_compressor = compression.build(cfg.compression.backward, opts)
+        self._run = cfg
+
+    def _first_call(self, tokens: int) -> None:
+        """Policies "auto" and "search" consult the cost model once per layer, on the first call,
+        with rank 0's token count, so every rank runs the same schedule (collective)."""
+        policy = self.config.schedule.policy
+        if self._run is not None and policy != "search" or self._costs is not None:
+            return
+        from .costmodel import tune
+
+        if self.topology.world > 1:
+            t = torch.tensor([tokens])
+            dist.broadcast(t, self.topology.global_rank(0), group=self.topology.group)
+            tokens = int(t.item())
+        if self._run is None:
+            self._use(tune.resolve(self.config, tokens, self.topology))
+        if self._run.schedule.policy == "search":
+            self._costs = tune.cost_model_for(self._run, tokens, self.topology) or False
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x)
-        cfg = self.config
+        self._first_call(x.numel() // self.config.experts.model_dim)
+        cfg = self._run
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
         routing = route(
@@ -163,6 +190,7 @@ class MoELayer(nn.Module):
             self.backward_compressor,
             self.experts,
             cfg.schedule.policy,
+            self._costs or None,
         )
         out_NM = run_region(region, rows_NM)
         # 4. Weighted sum back in token order.

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-import train_cases
 
+import train_cases
 from schemoe import checkpoint
 from schemoe import train as T
 from schemoe._dist import spawn

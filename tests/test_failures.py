@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from train_cases import TINY
 
 from schemoe import failures
 from schemoe import train as T
 from schemoe._dist import free_port, init_process_group
 from schemoe.layer import MoELayer
 from schemoe.lm import GPT, GPTConfig
+from train_cases import TINY
 
 TIMEOUT = 4.0  # the collective timeout (--timeout) of these runs, seconds
 

@@ -50,7 +50,7 @@ def _case(rank, world, comps):
                 w = global_weights(layer, 5)
                 layer.load_global_state(w)
                 xs, gys = inputs(world, tokens, 16, 5)
-                y, aux, gx, grads = run_layer(layer, xs[rank], gys[rank])
+                y, _aux, gx, grads = run_layer(layer, xs[rank], gys[rank])
                 ry, _, rgx, rgrads = run_reference(w, layer.config, xs, gys)
                 errs = [_rel(y, ry[rank].detach()), _rel(gx, rgx[rank])]
                 sl = layer.expert_slice()

@@ -99,3 +99,14 @@ def _user_policy(rank, world):
 
 def test_a_user_registered_policy_runs_forward_and_backward():
     assert all(spawn(_user_policy, 2, timeout=120))
+
+
+def _auto_and_search(rank, world):
+    tokens = [40 + 9 * r for r in range(world)]  # uneven: rank 0's count decides for all
+    for policy in ("auto", "search"):
+        check_against_reference(cfg(policy, 2), tokens, seed=13)
+    return True
+
+
+def test_auto_and_search_layers_agree_across_ranks_and_match_the_reference():
+    assert all(spawn(_auto_and_search, 2, timeout=180))

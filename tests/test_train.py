@@ -12,7 +12,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from train_cases import TINY, tiny
 
 from schemoe import train as T
 from schemoe._dist import spawn
@@ -27,6 +26,7 @@ from schemoe.config import (
 )
 from schemoe.lm import GPT, GPTConfig
 from schemoe.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
+from train_cases import TINY, tiny
 
 
 def _global_norm_reference(core) -> float:

@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
+        "--predict",
+        action="store_true",
+        help="add the cost model's predicted_ms to each row (needs `schemoe profile` first)",
+    )
+    p.add_argument("--profile", default=None, metavar="PATH", help="profile cache for --predict")
+    p.add_argument(
         "--trace",
         default=None,
         metavar="DIR",
@@ -202,7 +208,16 @@ def bench(args: argparse.Namespace, env) -> None:
         _trace(args.trace, layers, x, g)
 
     for row in rows:
-        row.update(stats[row.pop("_n")].row())
+        name = row.pop("_n")
+        row.update(stats[name].row())
+        if args.predict and name in layers:
+            from ..costmodel.tune import predict_ms
+
+            rate = env.testbed.rate_bps if env.testbed else None
+            shape = (world // env.ranks_per_node, env.ranks_per_node)
+            row["predicted_ms"] = predict_ms(
+                layers[name].config, args.tokens, shape, rate_bps=rate, path=args.profile
+            )
     compute, comm = stats["parts:compute"].median_ms, stats["parts:comm"].median_ms
     parts = [{"policy": "parts", "algorithm": "compute only", "compressor": "-", "chunks": "-",
               **stats["parts:compute"].row()},

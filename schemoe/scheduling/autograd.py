@@ -29,13 +29,15 @@ __all__ = ["Region", "run_region"]
 _SCHEDULES: dict[tuple, tuple[TaskGraph, Schedule]] = {}
 
 
-def schedule_for(policy: str, chunks: int, links: tuple[str, ...], direction: str):
-    """The (graph, schedule) of a policy, built and checked once per shape."""
-    key = (policy, chunks, links, direction, id(POLICIES.get(policy)))
+def schedule_for(
+    policy: str, chunks: int, links: tuple[str, ...], direction: str, costs: Any = None
+):
+    """The (graph, schedule) of a policy, built and checked once per shape (and cost model)."""
+    key = (policy, chunks, links, direction, id(POLICIES.get(policy)), id(costs))
     if key not in _SCHEDULES:
         partition = POLICIES.get(policy).partition
         graph = TaskGraph(chunks, links, direction, partition)
-        _SCHEDULES[key] = (graph, make_schedule(policy, graph))
+        _SCHEDULES[key] = (graph, make_schedule(policy, graph, costs))
     return _SCHEDULES[key]
 
 
@@ -49,6 +51,7 @@ class Region:
     backward_compressor: Any
     experts: nn.Module
     policy: str
+    costs: Any = None  # a cost model for policies that use one ("search"); same on every rank
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -140,7 +143,9 @@ class _RegionFn(torch.autograd.Function):
             return y.detach()
 
         runner = _Runner(region, rows_NM, region.forward_compressor, expert_fwd)
-        graph, sched = schedule_for(region.policy, len(region.plan), region.links, "forward")
+        graph, sched = schedule_for(
+            region.policy, len(region.plan), region.links, "forward", region.costs
+        )
         execute(sched, graph, runner, trace.active("forward"))
         ctx.region = region
         ctx.n_params = len(params)
@@ -161,7 +166,9 @@ class _RegionFn(torch.autograd.Function):
             return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
 
         runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
-        graph, sched = schedule_for(region.policy, len(region.plan), region.links, "backward")
+        graph, sched = schedule_for(
+            region.policy, len(region.plan), region.links, "backward", region.costs
+        )
         execute(sched, graph, runner, trace.active("backward"))
         grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
         return (None, runner.result(), *grad_params)
