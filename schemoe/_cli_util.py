@@ -12,13 +12,14 @@ __all__ = ["guard"]
 def guard(
     prog: str, fn: Callable[[argparse.Namespace], int]
 ) -> Callable[[argparse.Namespace], int]:
-    """`fn`, except that ValueError, RuntimeError, PermissionError and FileNotFoundError print
-    "`prog`: error: ..." to stderr and return exit status 2 instead of a traceback."""
+    """`fn`, except that ValueError, RuntimeError, PermissionError, FileNotFoundError and
+    TimeoutError print "`prog`: error: ..." to stderr and return exit status 2 instead of a
+    traceback."""
 
     def call(args: argparse.Namespace) -> int:
         try:
             return fn(args)
-        except (ValueError, RuntimeError, PermissionError, FileNotFoundError) as e:
+        except (ValueError, RuntimeError, PermissionError, FileNotFoundError, TimeoutError) as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
 

@@ -137,7 +137,8 @@ class MoELayer(nn.Module):
         """Policies "auto" and "search" consult the cost model once per layer, on the first call,
         with rank 0's token count, so every rank runs the same schedule (collective)."""
         policy = self.config.schedule.policy
-        if self._run is not None and policy != "search" or self._costs is not None:
+        needs_costs = policy == "search" and self._costs is None
+        if self._run is not None and not needs_costs:
             return
         from .costmodel import tune
 

@@ -18,7 +18,8 @@ import argparse
 import json
 import os
 import statistics
-import sys
+
+from .._cli_util import guard
 
 __all__ = ["register"]
 
@@ -309,17 +310,6 @@ def _scatter(points: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _guard(fn):
-    def call(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as e:
-            print(f"schemoe {args.command}: error: {e}", file=sys.stderr)
-            return 2
-
-    return call
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="fit the cost model's constants on this cluster")
     p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
@@ -330,7 +320,7 @@ def register(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=_guard(_profile))
+    p.set_defaults(func=guard("schemoe profile", _profile))
 
     s = subparsers.add_parser("simulate", help="predicted step time per policy on a preset")
     s.add_argument("--preset", default="paper-32gpu", help="local, paper-32gpu, h100-64gpu")
@@ -351,10 +341,10 @@ def register(subparsers) -> None:
     s.add_argument("--max-chunks", type=int, default=8)
     s.add_argument("--systems", action="store_true", help="also each system as it ships")
     s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")
-    s.set_defaults(func=_guard(_simulate))
+    s.set_defaults(func=guard("schemoe simulate", _simulate))
 
     v = subparsers.add_parser("validate", help="simulated vs measured `schemoe bench layer` rows")
     v.add_argument("runs", nargs="+", help="saved bench outputs, each BENCH.txt[=PROFILE.json]")
     v.add_argument("--profile", default=None, help="profile cache for runs without =PROFILE")
     v.add_argument("--png", default=None, help="predicted-vs-measured scatter plot")
-    v.set_defaults(func=_guard(_validate))
+    v.set_defaults(func=guard("schemoe validate", _validate))

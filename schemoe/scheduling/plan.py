@@ -43,12 +43,9 @@ class Chunk:
 
 
 def _segments_index(segs: list[tuple[int, int]], device) -> torch.Tensor:
-    if not segs:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat(
-        [torch.arange(a, a + n, device=device) for a, n in segs if n]
-        or [torch.empty(0, dtype=torch.long, device=device)]
-    )
+    """The row indices of the (start, length) segments, in order."""
+    parts = [torch.arange(a, a + n, device=device) for a, n in segs if n]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
 
 
 def _part(n: int, i: int, r: int) -> tuple[int, int]:
