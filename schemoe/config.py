@@ -139,11 +139,16 @@ class ScheduleConfig:
 
     policy="auto" lets the cost model choose policy, r, all-to-all algorithm and compressors
     (see schemoe.costmodel.tune) once per layer, on its first call, within accuracy_budget:
-    "lossless" (no compression), "fp16" (none/fp16/bf16) or "lossy" (every compressor)."""
+    "lossless" (no compression), "fp16" (none/fp16/bf16) or "lossy" (every compressor). With
+    trials > 0 the model shortlists the `shortlist` most promising configurations and the
+    layer's first shortlist x trials calls run them in turn, timed; the fastest measured one is
+    kept (schemoe.costmodel.online). trials=0: the model's first choice, unmeasured."""
 
     policy: str = "sequential"
     chunks: int = 1
     accuracy_budget: str = "lossless"
+    trials: int = 3
+    shortlist: int = 4
 
     def __post_init__(self) -> None:
         _need(
@@ -156,6 +161,8 @@ class ScheduleConfig:
             self.accuracy_budget in budgets,
             f"accuracy_budget must be one of {budgets}, got {self.accuracy_budget!r}",
         )
+        _int("trials", self.trials, 0)
+        _int("shortlist", self.shortlist, 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives, compression
+from . import collectives, compression, trace
 from .config import MoEConfig
 from .experts import BatchedFFN, ModuleExperts
 from .gating import load_balancing_loss, route, router_z_loss, update_balance_bias
@@ -73,6 +73,8 @@ class MoELayer(nn.Module):
         # work.
         self._run: MoEConfig | None = None
         self._costs = None
+        self._tokens0 = 0  # rank 0's token count at the first call (what the cost model saw)
+        self._trials = None  # policy "auto" with trials: online.Trials until it has decided
         if config.schedule.policy != "auto":
             self._use(config)
 
@@ -126,34 +128,91 @@ class MoELayer(nn.Module):
         return wait
 
     def _use(self, cfg: MoEConfig) -> None:
+        """Run `cfg` from now on; policy "search" also gets this layer's cost model."""
         self._policy = POLICIES.get(cfg.schedule.policy)
         self.algorithm = collectives.build(cfg.collective.algorithm, self.topology)
         opts = cfg.compression.options
         self.forward_compressor = compression.build(cfg.compression.forward, opts)
         self.backward_compressor = compression.build(cfg.compression.backward, opts)
+        self._costs = None
+        if cfg.schedule.policy == "search" and self._tokens0:
+            from .costmodel import tune
+
+            self._costs = tune.cost_model_for(cfg, self._tokens0, self.topology) or None
         self._run = cfg
 
     def _first_call(self, tokens: int) -> None:
         """Policies "auto" and "search" consult the cost model once per layer, on the first call,
-        with rank 0's token count, so every rank runs the same schedule (collective)."""
-        policy = self.config.schedule.policy
-        needs_costs = policy == "search" and self._costs is None
-        if self._run is not None and not needs_costs:
+        with rank 0's token count, so every rank runs the same schedule (collective). "auto"
+        with trials gets the model's shortlist and times it over the next calls."""
+        sched = self.config.schedule
+        if self._tokens0 or sched.policy not in ("auto", "search"):
             return
-        from .costmodel import tune
+        from .costmodel import online, tune
 
         if self.topology.world > 1:
             t = torch.tensor([tokens])
             dist.broadcast(t, self.topology.global_rank(0), group=self.topology.group)
             tokens = int(t.item())
-        if self._run is None:
-            self._use(tune.resolve(self.config, tokens, self.topology))
-        if self._run.schedule.policy == "search":
-            self._costs = tune.cost_model_for(self._run, tokens, self.topology) or False
+        self._tokens0 = max(tokens, 1)
+        if sched.policy == "search":
+            self._use(self.config)
+            return
+        n = sched.shortlist if sched.trials else 1
+        picks = tune.resolve(self.config, self._tokens0, self.topology, n=n)
+        picks = picks if isinstance(picks, list) else [picks]
+        if len(picks) == 1:
+            self._use(picks[0])
+        else:
+            self._trials = online.Trials(picks, sched.trials)
+
+    def _next_trial(self) -> bool:
+        """Policy "auto" while trials run: switch to this call's candidate (True: time it), or
+        decide once every sample is in (collective: the ranks agree on the slowest's times)."""
+        i = self._trials.next()
+        if i is not None:
+            self._use(self._trials.configs[i])
+            return True
+
+        def slowest(medians: list[float]) -> list[float]:
+            if self.topology.world == 1:
+                return medians
+            t = torch.tensor(medians, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.topology.group)
+            return t.tolist()
+
+        self._use(self._trials.configs[self._trials.decide(slowest)])
+        self._trials = None
+        return False
+
+    @property
+    def resolved_config(self) -> MoEConfig | None:
+        """The configuration that runs: `config` itself, or for policy "auto" what was chosen
+        (None before the first call and while trials run; see `tuning`)."""
+        return None if self._trials is not None else self._run
+
+    def running(self) -> dict | None:
+        """{policy, chunks, algorithm, compression} of `resolved_config`, None while tuning."""
+        c = self.resolved_config
+        if c is None:
+            return None
+        f, b = c.compression.forward, c.compression.backward
+        return {
+            "policy": c.schedule.policy,
+            "chunks": c.schedule.chunks,
+            "algorithm": c.collective.algorithm,
+            "compression": f if f == b else f"{f}/{b}",
+        }
+
+    @property
+    def tuning(self) -> bool:
+        """True until policy "auto" has settled on a configuration."""
+        return self._run is None or self._trials is not None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x)
         self._first_call(x.numel() // self.config.experts.model_dim)
+        timed = self._trials is not None and self._next_trial()
         cfg = self._run
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
@@ -191,9 +250,13 @@ class MoELayer(nn.Module):
             self.backward_compressor,
             self.experts,
             cfg.schedule.policy,
-            self._costs or None,
+            self._costs,
+            self._trials.add if timed else None,
         )
+        t0 = trace.clock(x.device) if timed else 0.0
         out_NM = run_region(region, rows_NM)
+        if timed:
+            self._trials.add(trace.clock(x.device) - t0)
         # 4. Weighted sum back in token order.
         y_TM = decode(out_NM, routing, x.dtype)
         return y_TM.view(x.shape), aux

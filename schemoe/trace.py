@@ -21,9 +21,19 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Event", "Timeline", "active", "gantt", "record"]
+__all__ = ["Event", "Timeline", "active", "clock", "gantt", "record"]
 
 _ACTIVE: Timeline | None = None
+
+
+def clock(device) -> float:
+    """Host seconds after `device`'s queued work is done: time.perf_counter(), preceded on CUDA
+    by a host sync (not yet run on CUDA). For timing whole regions (policy "auto"'s trials)."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass(frozen=True)

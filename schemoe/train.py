@@ -73,7 +73,8 @@ def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
         experts=ExpertConfig(model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation,
                              bias=a.expert_bias),
         parallel=ParallelConfig(ranks_per_node=a.ranks_per_node),
-        schedule=ScheduleConfig(policy=a.policy, chunks=a.chunks),
+        schedule=ScheduleConfig(policy=a.policy, chunks=a.chunks, accuracy_budget=a.budget,
+                                trials=a.trials, shortlist=a.shortlist),
         collective=CollectiveConfig(algorithm=a.algorithm),
         compression=CompressionConfig(forward=a.compress, backward=a.compress_backward,
                                       options=_options(a.compress_option)),
@@ -297,6 +298,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "steps": last,
         "world_size": world,
         **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compress")},
+        "moe_layers": [m.running() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,
         "evals": evals,
@@ -352,8 +354,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--activation", default="gelu", help="relu | gelu | swiglu")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
     m("--ranks-per-node", type=int, default=None)
-    m("--policy", default="schemoe")
+    m("--policy", default="schemoe", help="a policy name, or auto (the cost model chooses)")
     m("--chunks", type=int, default=2)
+    m("--budget", default="lossless", help="auto: lossless | fp16 | lossy compressors allowed")
+    m("--trials", type=int, default=3, help="auto: timed calls per shortlisted candidate")
+    m("--shortlist", type=int, default=4, help="auto: candidates the model shortlists")
     m("--algorithm", default="naive")
     m("--compress", default="none", help="forward (activation) compressor")
     m("--compress-backward", default="none", help="gradient compressor")

@@ -69,7 +69,8 @@ def validate(args: argparse.Namespace) -> None:
     from ..scheduling.policies import POLICIES
 
     for name in args.policies:
-        POLICIES.get(name)
+        if name != "auto":
+            POLICIES.get(name)
     for name in args.algorithms:
         ALGORITHMS.get(name)
     for spec in args.compressors:
@@ -178,6 +179,7 @@ def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
 
 def bench(args: argparse.Namespace, env) -> None:
     from ..layer import MoELayer
+    from ..scheduling.policies import POLICIES
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = _DTYPES[args.dtype]
@@ -185,8 +187,12 @@ def bench(args: argparse.Namespace, env) -> None:
     x = torch.randn(args.tokens, args.model_dim, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
     cands, rows, layers = {}, [], {}
-    combos = itertools.product(args.policies, args.algorithms, args.compressors, args.chunks)
+    combos = list(itertools.product(args.policies, args.algorithms, args.compressors, args.chunks))
+    if "auto" in args.policies:  # one row: the cost model picks algorithm, compressor and r
+        combos = [c for c in combos if c[0] != "auto"] + [("auto", "naive", "none", 1)]
     for pol, algo, comp, r in combos:
+        if pol != "auto" and POLICIES.get(pol).partition == "peers" and r > world:
+            continue  # the peers partition has at most P chunks
         layer = MoELayer(_config(args, world, env.ranks_per_node, pol, algo, comp, r)).to(dtype)
         if not cands:
             first = layer
@@ -203,6 +209,9 @@ def bench(args: argparse.Namespace, env) -> None:
     single = MoELayer(_config(args, 1, 1, algo=first.config.collective.algorithm), group=solo)
     cands["parts:compute"] = _step(single.to(dtype), x, g)
     cands["parts:comm"] = _comm_only(first, args, world, dtype)
+    for name, layer in layers.items():
+        while layer.tuning:  # policy "auto": its trials run first (same calls on every rank)
+            cands[name]()
     stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
     if args.trace:
         _trace(args.trace, layers, x, g)
@@ -210,13 +219,17 @@ def bench(args: argparse.Namespace, env) -> None:
     for row in rows:
         name = row.pop("_n")
         row.update(stats[name].row())
+        if row["policy"] == "auto":  # what it chose
+            run = layers[name].running()
+            row.update(policy=f"auto:{run['policy']}", algorithm=run["algorithm"],
+                       compressor=run["compression"], chunks=run["chunks"])  # fmt: skip
         if args.predict and name in layers:
             from ..costmodel.tune import predict_ms
 
             rate = env.testbed.rate_bps if env.testbed else None
             shape = (world // env.ranks_per_node, env.ranks_per_node)
             row["predicted_ms"] = predict_ms(
-                layers[name].config, args.tokens, shape, rate_bps=rate, path=args.profile
+                layers[name].resolved_config, args.tokens, shape, rate_bps=rate, path=args.profile
             )
     compute, comm = stats["parts:compute"].median_ms, stats["parts:comm"].median_ms
     parts = [{"policy": "parts", "algorithm": "compute only", "compressor": "-", "chunks": "-",

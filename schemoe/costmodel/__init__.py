@@ -6,6 +6,7 @@ best task order (`search` policy) and configuration (`tune.choose`), and plan at
     simulator  run(schedule, graph, costs) -> (makespan, trace events), the executor's rules
     search     the "search" policy (registered on import)
     tune       predict, explore, choose, resolve (ScheduleConfig(policy="auto"))
+    online     Trials: "auto"'s first calls time the model's shortlist and keep the fastest
     profile    fit and cache the constants on the running ranks
 """
 

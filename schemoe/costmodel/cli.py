@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
     )
     print(
         f"experts: {hw.flops / 1e9:.2f} GFLOP/s, {hw.gemm_alpha * 1e6:.1f} us per GEMM; "
-        f"memory {hw.memory / 1e9:.2f} GB/s; per task {hw.task_overhead * 1e6:.1f} us; "
+        f"memory {hw.memory / 1e9:.2f} GB/s, stream {hw.stream_rate / 1e9:.2f} GB/s; per task {hw.task_overhead * 1e6:.1f} us; "
         f"per step {hw.step_overhead * 1e3:.2f} ms"
     )
     print(json.dumps({"key": key, "hardware": hw.to_json(), "points": pts}))

@@ -11,6 +11,8 @@ and FLOP:
     flops        expert GEMM throughput of one rank (FLOP/s, achieved, not peak), and
     gemm_alpha   fixed cost per GEMM call (launch, Python, small-matrix inefficiency)
     memory       bytes per second one rank copies (index_select / index_copy of rows)
+    stream       bytes per second of a contiguous in-place add (read two, write one), what
+                 accumulating a chunk's weight gradients costs; 0: same as `memory`
     codecs       compressor name -> (encode, decode) seconds per input byte (float side)
     task_overhead  executor cost per task (ordering logic, the runner, posting a transfer)
     step_overhead  fixed cost of one layer step outside the scheduled region (Python, autograd)
@@ -29,6 +31,7 @@ Presets (`PRESETS`, `preset(name)`):
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -38,18 +41,57 @@ __all__ = ["PRESETS", "Hardware", "Link", "preset"]
 
 @dataclass(frozen=True)
 class Link:
-    """One link class: `alpha` seconds per transfer plus `beta` bytes per second."""
+    """One link class: `alpha` seconds per transfer plus `beta` bytes per second, and optionally
+    the measured curve `points` ((bytes, seconds), sizes increasing, times non-decreasing) that
+    `time` follows instead of the line.
+
+    A measured curve beats a line where a link's efficiency depends on the transfer size (TCP
+    windows, a shaper's burst bucket, NCCL's protocol switches). On the 2-node testbed at
+    400 Mbit/s a node's inter-node part moved 512 KB at 56 MB/s and 8 MB at 40 MB/s; the
+    least-squares line through those points (alpha clamped at 0) overestimates a 512 KB chunk by
+    a third, which is exactly the size a chunked schedule sends.
+    """
 
     alpha: float
     beta: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta > 0):
             raise ValueError(f"a link needs alpha >= 0 s and beta > 0 B/s, got {self}")
+        pts = tuple((float(b), float(t)) for b, t in self.points)
+        object.__setattr__(self, "points", pts)
+        if pts and (
+            len(pts) < 2
+            or any(b1 <= b0 or t1 < t0 for (b0, t0), (b1, t1) in itertools.pairwise(pts))
+            or pts[0][0] <= 0
+            or pts[0][1] < 0
+        ):
+            raise ValueError(
+                "link points need >= 2 (bytes, seconds) pairs with bytes > 0 increasing and "
+                f"seconds non-decreasing, got {pts}"
+            )
 
     def time(self, nbytes: float) -> float:
-        """t = alpha + bytes / beta (PipeMoE's linear model); an empty transfer costs nothing."""
-        return 0.0 if nbytes <= 0 else self.alpha + nbytes / self.beta
+        """Seconds for one transfer of `nbytes`; an empty transfer costs nothing.
+
+        Without points: t = alpha + bytes / beta (PipeMoE's linear model). With points: linear
+        interpolation between them; past the last, its last segment's slope (1 / beta where
+        that segment is flat); below the first, the first segment's line, but never less than
+        the first point's time scaled by size (t0 b / b0)."""
+        if nbytes <= 0:
+            return 0.0
+        if not self.points:
+            return self.alpha + nbytes / self.beta
+        pts = self.points
+        (b0, t0), (b1, t1) = pts[0], pts[1]
+        if nbytes <= b0:
+            return max(t0 - (b0 - nbytes) * (t1 - t0) / (b1 - b0), t0 * nbytes / b0)
+        for (b0, t0), (b1, t1) in itertools.pairwise(pts):
+            if nbytes <= b1:
+                return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
+        slope = (t1 - t0) / (b1 - b0) or 1.0 / self.beta
+        return t1 + (nbytes - b1) * slope
 
 
 @dataclass(frozen=True)
@@ -67,6 +109,7 @@ class Hardware:
     codecs: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     task_overhead: float = 0.0
     step_overhead: float = 0.0
+    stream: float = 0.0
     backend: str = "gloo"
     link_rate_bps: float | None = None
     host_ranks: int = 1
@@ -80,8 +123,16 @@ class Hardware:
             raise ValueError(
                 f"need nodes, ranks_per_node >= 1, got {self.nodes}, {self.ranks_per_node}"
             )
-        if self.flops <= 0 or self.memory <= 0:
-            raise ValueError(f"flops and memory must be > 0, got {self.flops}, {self.memory}")
+        if self.flops <= 0 or self.memory <= 0 or self.stream < 0:
+            raise ValueError(
+                f"flops and memory must be > 0 and stream >= 0, got {self.flops}, "
+                f"{self.memory}, {self.stream}"
+            )
+
+    @property
+    def stream_rate(self) -> float:
+        """Bytes per second of contiguous elementwise work (`stream`, else `memory`)."""
+        return self.stream or self.memory
 
     @property
     def world(self) -> int:
@@ -107,6 +158,9 @@ class Hardware:
     def to_json(self) -> dict:
         d = asdict(self)
         d["codecs"] = {k: list(v) for k, v in self.codecs.items()}
+        for name in ("intra", "inter"):
+            if not d[name]["points"]:
+                del d[name]["points"]  # records without curves read as before
         return d
 
     @classmethod

@@ -153,14 +153,17 @@ def expert_time(
     wgrad_bytes: float = 0.0,
 ) -> float:
     """t = g gemm_alpha + FLOPs / flops (PipeMoE's t_gemm = alpha + beta m n k per GEMM), with
-    g GEMM calls: 2 (3 swiglu) forward, twice that backward. Backward also writes (and sums
-    into the accumulated) weight gradients: + wgrad_bytes / memory."""
+    g GEMM calls: 2 (3 swiglu) forward, twice that backward. A backward chunk after the first
+    also adds its weight gradients into the accumulated ones: + wgrad_bytes / stream (the first
+    chunk's gradients are the GEMMs' own output, inside FLOPs / flops)."""
     if rows <= 0:
         return 0.0
     mult = 2 if backward else 1
     gemms = (3 if activation == "swiglu" else 2) * mult
     flops = mult * expert_flops(rows, model_dim, hidden, activation)
-    return gemms * hw.gemm_alpha + flops / hw.flops + (wgrad_bytes / hw.memory if backward else 0)
+    return (
+        gemms * hw.gemm_alpha + flops / hw.flops + (wgrad_bytes / hw.stream_rate if backward else 0)
+    )
 
 
 def sharing_scale(hw: Hardware, busy: float) -> float:
@@ -312,9 +315,9 @@ class CostModel:
             mv = copy_time(hw, raw)
             out[Task("C", 1, i)] = enc + (mv if gathered else 0.0)
             out[Task("D", 1, i)] = dec + (mv if permute else 0.0)
-            # Backward: chunk 0's weight gradients are written, later ones also summed into
-            # the accumulator (read both, write one): 1x, then 4x the weights' bytes.
-            wgrad = weights * (1 if i == 0 else 4)
+            # Backward: chunk 0's weight gradients are the GEMMs' output; each later chunk's
+            # are added into them (scheduling/autograd.py: read both, write one).
+            wgrad = weights * (0 if i == 0 else 3)
             out[Task("E", 0, i)] = expert_time(
                 hw, int(rows), D, sh.hidden_dim, sh.activation, backward, wgrad
             )

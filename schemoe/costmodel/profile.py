@@ -6,10 +6,13 @@ it does in training; a sample's time is the slowest rank's, from `schemoe.bench.
   1. links: Pipe-A2A's two parts alone (`link="intra"`, `link="inter"`) at a few sizes give
      (bytes, seconds) per link class, with bytes counted as the cost model counts them (the
      most a local rank sends to its node; what the node sends over its NIC); least squares
-     fits t = alpha + bytes / beta for each. One node: the plain all-to-all fits both;
+     fits t = alpha + bytes / beta for each, and the points themselves are kept as the link's
+     measured curve (`Link.points`), which the model follows. One node: the plain all-to-all
+     fits both;
   2. experts: the batched FFN forward and backward at a few row counts: t = g alpha + FLOP / flops
      (g GEMM calls) by least squares;
-  3. memory: index_select of rows at a few sizes: bytes / second;
+  3. memory: index_select of rows at a few sizes: bytes / second; stream: an in-place add (a
+     weight-gradient accumulation) at the same sizes;
   4. codecs: every registered compressor's encode and decode: seconds per float byte;
   5. overheads: a tiny layer on a one-rank group at r = 1 and r = 8 gives the executor's cost
      per task ((t8 - t1) / 98 extra tasks) and the fixed cost per step (t1 minus the model).
@@ -50,11 +53,22 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:
-    """t = alpha + bytes / beta from (bytes, seconds) samples."""
+    """t = alpha + bytes / beta from (bytes, seconds) samples, keeping the samples as the link's
+    measured curve (`Link.points`: one point per size, the median of repeats where a size comes
+    more than once, made non-decreasing, since a larger transfer never takes less time and a
+    dip is noise)."""
     a, s = fit_line(nbytes, seconds)
     if s <= 0:
         raise ValueError(f"timings do not grow with size ({list(zip(nbytes, seconds))})")
-    return Link(alpha=a, beta=1.0 / s)
+    by_size: dict[float, list[float]] = {}
+    for b, t in zip(nbytes, seconds):
+        by_size.setdefault(float(b), []).append(float(t))
+    points, floor = [], 0.0
+    for b in sorted(by_size):
+        ts = sorted(by_size[b])
+        floor = max(floor, ts[len(ts) // 2])
+        points.append((b, floor))
+    return Link(alpha=a, beta=1.0 / s, points=tuple(points) if len(points) >= 2 else ())
 
 
 def fit_gemm(gemms: Sequence[int], flops: Sequence[float], seconds: Sequence[float]):
@@ -166,9 +180,9 @@ def _ffn_backward(ffn, x, counts, params) -> None:
     torch.autograd.grad(y, (x, *params), torch.ones_like(y))
 
 
-def _experts(model_dim: int, hidden: int, rows: Sequence[int], memory: float, repeats: int):
-    """(alpha per GEMM, FLOP/s, points) of two experts' FFN; backward minus its weight-gradient
-    writes (2 experts x 2 weights x D x H x 4 bytes / memory), which the model counts apart."""
+def _experts(model_dim: int, hidden: int, rows: Sequence[int], repeats: int):
+    """(alpha per GEMM, FLOP/s, points) of two experts' FFN, forward and backward (backward:
+    forward + backward minus forward; a sample that noise drove to <= 0 is left out)."""
     import torch
 
     from ..config import ExpertConfig
@@ -177,7 +191,6 @@ def _experts(model_dim: int, hidden: int, rows: Sequence[int], memory: float, re
 
     ffn = BatchedFFN(ExpertConfig(model_dim=model_dim, hidden_dim=hidden), 2, 0, 0)
     params = list(ffn.parameters())
-    wgrad = 2 * 2 * model_dim * hidden * 4 / memory
     cands = {}
     for n in rows:
         x = torch.randn(2 * n, model_dim, requires_grad=True)
@@ -187,10 +200,10 @@ def _experts(model_dim: int, hidden: int, rows: Sequence[int], memory: float, re
     g, f, t = [], [], []
     for n in rows:
         flops = expert_flops(2 * n, model_dim, hidden)
-        g += [2, 4]
-        f += [flops, 2 * flops]
-        bwd = times["both", n] - times["fwd", n] - wgrad  # backward alone
-        t += [times["fwd", n], max(bwd, 1e-9)]
+        bwd = times["both", n] - times["fwd", n]  # backward alone
+        for gemms, fl, sec in ((2, flops, times["fwd", n]), (4, 2 * flops, bwd)):
+            if sec > 0:
+                g, f, t = g + [gemms], f + [fl], t + [sec]
     return (*fit_gemm(g, f, t), list(zip(g, f, t)))
 
 
@@ -204,6 +217,9 @@ def _memory_and_codecs(model_dim: int, repeats: int):
         x = torch.randn(n, model_dim)
         cands["copy", n] = partial(x.index_select, 0, torch.randperm(n))
         nbytes["copy", n] = x.numel() * 4
+        acc, g = torch.zeros(n, model_dim), torch.randn(n, model_dim)
+        cands["stream", n] = partial(acc.add_, g)  # a gradient accumulation: read 2, write 1
+        nbytes["stream", n] = 3 * x.numel() * 4
     for name in compression.COMPRESSORS.names():
         if name == "none":
             continue
@@ -221,11 +237,12 @@ def _memory_and_codecs(model_dim: int, repeats: int):
     for key, t in times.items():
         pts.setdefault(key[0], []).append((nbytes[key], t))
     memory = 1.0 / fit_line(*zip(*pts.pop("copy")))[1]
+    stream = 1.0 / fit_line(*zip(*pts.pop("stream")))[1]
     codecs = {
         name: (fit_line(*zip(*pts[name + ".enc"]))[1], fit_line(*zip(*pts[name + ".dec"]))[1])
         for name in {k.rsplit(".", 1)[0] for k in pts}
     }
-    return memory, codecs
+    return memory, stream, codecs
 
 
 def _overheads(partial_hw: Hardware, repeats: int) -> tuple[float, float]:
@@ -299,10 +316,8 @@ def measure(
     repeats = 3 if quick else 7
     sizes = (256 << 10, 1 << 20, 4 << 20) if quick else (128 << 10, 512 << 10, 2 << 20, 8 << 20)
     intra, inter, pts = _links(topo, sizes, repeats)
-    memory, codecs = _memory_and_codecs(model_dim, repeats)
-    gemm_alpha, flops, pts["experts"] = _experts(
-        model_dim, hidden, (16, 128, 1024), memory, repeats
-    )
+    memory, stream, codecs = _memory_and_codecs(model_dim, repeats)
+    gemm_alpha, flops, pts["experts"] = _experts(model_dim, hidden, (16, 128, 1024), repeats)
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     host_ranks, cores = _host_sharing()
     hw = Hardware(
@@ -314,6 +329,7 @@ def measure(
         flops=flops,
         gemm_alpha=gemm_alpha,
         memory=memory,
+        stream=stream,
         codecs=codecs,
         backend="nccl" if backend == "nccl" else "gloo",
         link_rate_bps=rate_bps,

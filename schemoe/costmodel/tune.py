@@ -2,6 +2,7 @@
 
     predict(hw, shape, "schemoe", "pipe", ("fp16", "fp16"), chunks=4) -> Prediction
     choose(moe_config, tokens_per_rank, topology, hw, accuracy_budget="lossless") -> MoEConfig
+    choose(..., n=4) -> [MoEConfig]     # the shortlist a measured trial settles (online.py)
     resolve(config, tokens, topology)   # what MoELayer calls for ScheduleConfig(policy="auto")
 
 A layer step (forward + backward, what `schemoe bench layer` times) is predicted as
@@ -11,15 +12,17 @@ A layer step (forward + backward, what `schemoe bench layer` times) is predicted
 with both makespans from `simulator.run` on the Schedule the policy gives for that graph (the
 `search` policy gets the CostModel) and `outside` the router, layout and counts exchange
 (`CostModel.outside`). `choose` simulates every candidate: policies sequential, tutel, fastermoe
-and schemoe x r in 1..8 (fastermoe: r <= P) x every registered algorithm with a cost model x
-every registered compressor the accuracy budget allows (same one forward and backward):
+and schemoe x r in AUTO_CHUNKS = 1, 2, 4, 8 (fastermoe: r <= P) x every registered algorithm with
+a cost model x every registered compressor the accuracy budget allows (same one forward and
+backward):
 
     lossless  compressors marked lossless (the built-ins: none only)
     fp16      none, fp16, bf16
     lossy     every compressor whose codec cost the hardware record has
 
 then re-simulates each r's best with the `search` policy, and returns the fastest as a
-MoEConfig. Decisions are cached per (layer shape, tokens, topology, hardware, budget) and logged
+MoEConfig, or the `shortlist` of the n most promising that differ in partition or r. Decisions
+are cached per (layer shape, tokens, topology, hardware, budget) and logged
 on the "schemoe.costmodel" logger.
 """
 
@@ -38,6 +41,7 @@ from .hardware import Hardware
 from .model import A2A_MODELS, CostModel, LayerShape, sharing_scale, wire_ratio
 
 __all__ = [
+    "AUTO_CHUNKS",
     "BUDGETS",
     "Prediction",
     "candidates",
@@ -48,6 +52,7 @@ __all__ = [
     "predict_config",
     "predict_ms",
     "resolve",
+    "shortlist",
 ]
 
 log = logging.getLogger("schemoe.costmodel")
@@ -180,8 +185,10 @@ def candidates(
     budget: str = "lossless",
     policies=BASE_POLICIES,
     max_chunks: int = 8,
+    chunk_grid: tuple[int, ...] | None = None,
 ) -> list[tuple]:
-    """(policy, algorithm, (fwd, bwd), r) tuples to simulate."""
+    """(policy, algorithm, (fwd, bwd), r) tuples to simulate, r in `chunk_grid` (default every
+    r in 1..max_chunks)."""
     from ..collectives import ALGORITHMS
 
     algos = [a for a in ALGORITHMS.names() if a in A2A_MODELS]
@@ -191,7 +198,7 @@ def candidates(
     out = []
     for pol in policies:
         peers = POLICIES.get(pol).partition == "peers"
-        for r in range(1, max_chunks + 1):
+        for r in chunk_grid or range(1, max_chunks + 1):
             if peers and r > hw.world:
                 continue
             for algo in algos:
@@ -206,10 +213,12 @@ def explore(
     budget: str = "lossless",
     refine: bool = True,
     max_chunks: int = 8,
+    chunk_grid: tuple[int, ...] | None = None,
 ) -> list[Prediction]:
     """Every candidate's prediction, fastest first. With `refine`, each r's fastest capacity-
     partition candidate is re-simulated under the search policy (added as policy "search")."""
-    preds = [predict(hw, shape, *c) for c in candidates(hw, shape, budget, max_chunks=max_chunks)]
+    cands = candidates(hw, shape, budget, max_chunks=max_chunks, chunk_grid=chunk_grid)
+    preds = [predict(hw, shape, *c) for c in cands]
     preds.sort(key=lambda p: p.step_s)
     if refine:
         best_per_r: dict[int, Prediction] = {}
@@ -224,49 +233,76 @@ def explore(
     return preds
 
 
+AUTO_CHUNKS = (1, 2, 4, 8)
+
+
+def shortlist(preds: list[Prediction], n: int) -> list[Prediction]:
+    """The n most promising of `preds` (fastest first) that differ in what the model predicts
+    least reliably: the best prediction of each (partition, r), fastest first.
+
+    Within one (partition, r) the candidates differ in task order, algorithm or compressor,
+    which the simulator ranks well; across r and partitions its errors (per-chunk costs, uneven
+    peer groups, CPU contention) are of the size of the differences, so those are what a
+    measured trial should settle. A `search` order is kept only where it is predicted >= 0.5%
+    faster than the best fixed policy of its group (it needs the cost model at run time)."""
+    best: dict[tuple, Prediction] = {}
+    for p in sorted(preds, key=lambda p: p.step_s):
+        key = (POLICIES.get(p.policy).partition, p.chunks)
+        held = best.get(key)
+        searched = held is not None and held.policy == "search" and p.policy != "search"
+        if held is None or (searched and p.step_s < 1.005 * held.step_s):
+            best[key] = p
+    return sorted(best.values(), key=lambda p: p.step_s)[:n]
+
+
+def _as_config(moe_config: MoEConfig, p: Prediction) -> MoEConfig:
+    return dataclasses.replace(
+        moe_config,
+        schedule=ScheduleConfig(policy=p.policy, chunks=p.chunks),
+        collective=CollectiveConfig(algorithm=p.algorithm),
+        compression=CompressionConfig(
+            forward=p.compressors[0],
+            backward=p.compressors[1],
+            options=moe_config.compression.options,
+        ),
+    )
+
+
 def choose(
     moe_config: MoEConfig,
     tokens_per_rank: int,
     topology,
     costs: Hardware,
     accuracy_budget: str = "lossless",
-) -> MoEConfig:
+    n: int = 1,
+) -> MoEConfig | list[MoEConfig]:
     """The fastest simulated configuration of `moe_config`'s layer (gate and expert settings
-    kept) on `costs` with `topology` ((nodes, ranks_per_node) or a Topology), within the budget.
-    Cached per layer shape; each decision is logged."""
+    kept) on `costs` with `topology` ((nodes, ranks_per_node) or a Topology), within the budget,
+    over r in AUTO_CHUNKS. With n > 1, the `shortlist` of up to n configurations (a list,
+    fastest predicted first). Cached per layer shape; each decision is logged."""
     nodes, rpn = _topology(topology)
     hw = costs.with_topology(nodes, rpn)
     shape = LayerShape.of(moe_config, tokens_per_rank)
-    key = (shape, nodes, rpn, hw.dumps(), accuracy_budget)
+    key = (shape, nodes, rpn, hw.dumps(), accuracy_budget, n)
     if key not in _DECISIONS:
-        preds = explore(hw, shape, accuracy_budget)
-        best = preds[0]
+        preds = explore(hw, shape, accuracy_budget, chunk_grid=AUTO_CHUNKS)
+        picks = shortlist(preds, n)
         seq = next(p for p in preds if p.policy == "sequential" and p.chunks == 1)
         log.info(
-            "tune: %s on %dx%d %s (%s): chose %s (%.3f ms; r=1 sequential %s %.3f ms) "
-            "out of %d candidates",
+            "tune: %s on %dx%d %s (%s): chose %s (r=1 sequential %s %.3f ms) out of %d candidates",
             shape,
             nodes,
             rpn,
             hw.name,
             accuracy_budget,
-            best.row(),
-            best.step_s * 1e3,
+            [p.row() for p in picks],
             seq.algorithm,
             seq.step_s * 1e3,
             len(preds),
         )
-        _DECISIONS[key] = dataclasses.replace(
-            moe_config,
-            schedule=ScheduleConfig(policy=best.policy, chunks=best.chunks),
-            collective=CollectiveConfig(algorithm=best.algorithm),
-            compression=CompressionConfig(
-                forward=best.compressors[0],
-                backward=best.compressors[1],
-                options=moe_config.compression.options,
-            ),
-        )
-    return _DECISIONS[key]
+        _DECISIONS[key] = [_as_config(moe_config, p) for p in picks]
+    out = _DECISIONS[key]
+    return out[0] if n == 1 else list(out)
 
 
 def _from_rank0(make, topology):
@@ -290,29 +326,31 @@ def resolve(
     topology,
     hardware: Hardware | None = None,
     profile_path: str | None = None,
-) -> MoEConfig:
-    """`config` itself unless its policy is "auto"; else `choose` on the cached profile of this
-    topology (`schemoe profile`), or the `local` preset when there is none (logged).
+    n: int = 1,
+) -> MoEConfig | list[MoEConfig]:
+    """`config` itself unless its policy is "auto"; else `choose` (with n > 1: its shortlist, a
+    list) on the cached profile of this topology (`schemoe profile`), or the `local` preset when
+    there is none (logged).
 
     Collective when torch.distributed is initialised and the group has several ranks: rank 0 of
     `topology.group` decides and broadcasts, so every rank runs the same configuration even if
     their profile caches differ. Call it on every rank with the same `tokens`.
-    The budget is `config.schedule.accuracy_budget` when that field exists, else "lossless".
+    The budget is `config.schedule.accuracy_budget`.
     """
     if config.schedule.policy != "auto":
-        return config
+        return config if n == 1 else [config]
     from . import profile
     from .hardware import preset
 
-    budget = getattr(config.schedule, "accuracy_budget", "lossless")
+    budget = config.schedule.accuracy_budget
     nodes, rpn = _topology(topology)
 
-    def decide() -> MoEConfig:
+    def decide():
         hw = hardware or profile.load(nodes, rpn, path=profile_path)
         if hw is None:
             log.info("tune: no cached profile for %dx%d; using the 'local' preset", nodes, rpn)
             hw = preset("local")
-        return choose(config, tokens, (nodes, rpn), hw, budget)
+        return choose(config, tokens, (nodes, rpn), hw, budget, n)
 
     return _from_rank0(decide, topology)
 

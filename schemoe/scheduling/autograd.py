@@ -52,6 +52,7 @@ class Region:
     experts: nn.Module
     policy: str
     costs: Any = None  # a cost model for policies that use one ("search"); same on every rank
+    on_backward: Callable[[float], None] | None = None  # gets the backward's seconds (timing)
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -154,15 +155,23 @@ class _RegionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NM: torch.Tensor):
         region: Region = ctx.region
+        t0 = trace.clock(grad_NM.device) if region.on_backward is not None else 0.0
         params = _params(region.experts)
         acc: list[torch.Tensor | None] = [None] * len(params)
+        owned = [False] * len(params)  # acc[j] is our own sum (safe to add into in place)
 
         def expert_bwd(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
             leaf, y = region.saved.pop(i)
             grads = torch.autograd.grad(y, (leaf, *params), gy.to(y.dtype), allow_unused=True)
             for j, g in enumerate(grads[1:]):
-                if g is not None:
-                    acc[j] = g if acc[j] is None else acc[j] + g
+                if g is None:
+                    continue
+                if acc[j] is None:
+                    acc[j] = g  # may alias a buffer autograd passed through: not added into
+                elif owned[j]:
+                    acc[j].add_(g)
+                else:
+                    acc[j], owned[j] = acc[j] + g, True
             return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
 
         runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
@@ -171,6 +180,8 @@ class _RegionFn(torch.autograd.Function):
         )
         execute(sched, graph, runner, trace.active("backward"))
         grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
+        if region.on_backward is not None:
+            region.on_backward(trace.clock(grad_NM.device) - t0)
         return (None, runner.result(), *grad_params)
 
 
