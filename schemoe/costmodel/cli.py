@@ -196,7 +196,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _bench_rows(path: str) -> tuple[dict, list[dict]]:
     """(config, measured rows) of a saved `schemoe bench layer` output: its '# config:' header
-    line and its last JSON line."""
+    line and its last JSON line (rows with a modelled algorithm, auto's row left out)."""
     config, summary = {}, None
     with open(path) as f:
         for line in f:
@@ -208,7 +208,11 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
         raise ValueError(f"{path} holds no `schemoe bench layer` header and JSON line")
     from .model import A2A_MODELS
 
-    return config, [r for r in summary["results"] if r["algorithm"] in A2A_MODELS]
+    # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
+    rows = summary["results"]
+    return config, [
+        r for r in rows if r["algorithm"] in A2A_MODELS and not r["policy"].startswith("auto")
+    ]
 
 
 def _validate(args: argparse.Namespace) -> int:

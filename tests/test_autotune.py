@@ -1,0 +1,178 @@
+"""Policy "auto": the model's shortlist, the measured trials, and the layer that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_cases import close, global_weights, inputs, run_layer, run_reference
+from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
+from schemoe._dist import spawn
+from schemoe.costmodel import online, tune
+from schemoe.costmodel.hardware import Link, preset
+from schemoe.costmodel.model import LayerShape
+from schemoe.costmodel.profile import fit_link
+
+E, M, H = 8, 12, 20
+
+
+def _config(trials=2, shortlist=3) -> MoEConfig:
+    return MoEConfig(
+        gate=GateConfig(num_experts=E, top_k=2, capacity_factor=1.0),
+        experts=ExpertConfig(model_dim=M, hidden_dim=H),
+        schedule=ScheduleConfig(policy="auto", trials=trials, shortlist=shortlist),
+    )
+
+
+def _candidates(n: int) -> list[MoEConfig]:
+    base = _config()
+    return [
+        dataclasses.replace(base, schedule=ScheduleConfig(policy="tutel", chunks=r))
+        for r in (1, 2, 4, 8)[:n]
+    ]
+
+
+# ------------------------------------------------------------------ measured link curves
+def test_a_link_with_points_interpolates_between_them_and_extends_the_end_segments():
+    link = Link(alpha=0.0, beta=1e6, points=((1000, 0.002), (2000, 0.003), (4000, 0.007)))
+    assert link.time(1500) == pytest.approx(0.0025)
+    assert link.time(4000) == pytest.approx(0.007)
+    assert link.time(6000) == pytest.approx(0.011)  # the last segment's 2e-6 s/B
+    assert link.time(500) == pytest.approx(0.0015)  # the first segment's line
+    assert link.time(10) == pytest.approx(0.002 - 990e-6)
+    steep = Link(alpha=0.0, beta=1e6, points=((1000, 0.001), (2000, 0.003)))
+    assert steep.time(10) == pytest.approx(0.001 * 10 / 1000)  # never below t0 b / b0
+    assert link.time(0) == 0.0
+    plain = Link(alpha=0.001, beta=1e6)
+    assert plain.time(1000) == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+    "points",
+    [((1000, 0.002),), ((2000, 0.002), (1000, 0.003)), ((1000, 0.003), (2000, 0.002))],
+)
+def test_a_link_refuses_points_that_are_not_a_growing_curve(points):
+    with pytest.raises(ValueError, match="link points"):
+        Link(alpha=0.0, beta=1e6, points=points)
+
+
+def test_fit_link_keeps_the_median_per_size_as_a_non_decreasing_curve():
+    link = fit_link([1000, 1000, 1000, 2000, 4000], [0.005, 0.001, 0.002, 0.0015, 0.004])
+    assert link.points == ((1000.0, 0.002), (2000.0, 0.002), (4000.0, 0.004))
+    assert link.beta > 0
+    hw = dataclasses.replace(preset("local"), inter=link)
+    assert type(hw).from_json(hw.to_json()) == hw  # curves survive the profile cache
+
+
+# ------------------------------------------------------------------ the shortlist
+def test_the_shortlist_holds_one_candidate_per_partition_and_chunk_count_fastest_first():
+    hw = preset("local")
+    preds = tune.explore(hw, LayerShape(1024, 256, 1024, 8), chunk_grid=tune.AUTO_CHUNKS)
+    short = tune.shortlist(preds, 4)
+    assert len(short) == 4
+    keys = [(tune.POLICIES.get(p.policy).partition, p.chunks) for p in short]
+    assert len(set(keys)) == 4
+    assert [p.step_s for p in short] == sorted(p.step_s for p in short)
+    assert short[0].step_s == min(p.step_s for p in preds)
+    assert {p.chunks for p in short} <= set(tune.AUTO_CHUNKS)
+
+
+def test_the_shortlist_prefers_a_fixed_policy_unless_search_is_clearly_faster():
+    P = tune.Prediction
+    preds = [
+        P("search", "naive", ("none", "none"), 2, 0.100, 0.0, 0.0),
+        P("schemoe", "naive", ("none", "none"), 2, 0.1004, 0.0, 0.0),
+        P("search", "naive", ("none", "none"), 4, 0.090, 0.0, 0.0),
+        P("tutel", "naive", ("none", "none"), 4, 0.095, 0.0, 0.0),
+    ]
+    got = [(p.policy, p.chunks) for p in tune.shortlist(preds, 4)]
+    assert got == [("search", 4), ("schemoe", 2)]
+
+
+def test_choose_with_n_returns_that_many_distinct_configurations():
+    picks = tune.choose(_config(), 1024, (2, 2), preset("local"), n=3)
+    assert isinstance(picks, list) and len(picks) == 3
+    assert len({(c.schedule.policy, c.schedule.chunks) for c in picks}) == 3
+    assert tune.choose(_config(), 1024, (2, 2), preset("local")) == picks[0]
+
+
+# ------------------------------------------------------------------ trials
+def test_trials_run_round_robin_skip_the_warm_up_round_and_keep_the_fastest_median():
+    cands = _candidates(3)
+    trials = online.Trials(cands, samples=2)
+    seconds = {0: [9.0, 3.0, 3.2], 1: [9.0, 2.0, 2.4], 2: [0.1, 5.0, 5.0]}  # warm-up first
+    order = []
+    while (i := trials.next()) is not None:
+        order.append(i)
+        trials.add(seconds[i][order.count(i) - 1] / 2)  # forward, then backward
+        trials.add(seconds[i][order.count(i) - 1] / 2)
+    assert order == [0, 1, 2] * 3
+    assert trials.calls == 9
+    assert trials.medians() == pytest.approx([3.1, 2.2, 5.0])
+    assert trials.decide() == 1
+    # `reduce` (the max over ranks) decides: another rank saw candidate 1 slow.
+    assert trials.decide(lambda m: [max(a, b) for a, b in zip(m, [0, 4.0, 0])]) == 0
+
+
+def test_trials_refuse_to_decide_early_and_bad_arguments():
+    with pytest.raises(ValueError, match="candidates"):
+        online.Trials(_candidates(1), 2)
+    with pytest.raises(ValueError, match="samples"):
+        online.Trials(_candidates(2), 0)
+    trials = online.Trials(_candidates(2), 1)
+    trials.next()
+    with pytest.raises(RuntimeError, match="before every sample"):
+        trials.decide()
+
+
+@pytest.mark.parametrize("field,value", [("trials", -1), ("shortlist", 0)])
+def test_schedule_config_names_a_bad_trial_setting(field, value):
+    with pytest.raises(ValueError, match=field):
+        ScheduleConfig(policy="auto", **{field: value})
+
+
+# ------------------------------------------------------------------ the layer
+def _layer_trials(rank, world):
+    cfg = _config(trials=2, shortlist=3)
+    torch.manual_seed(3)
+    layer = MoELayer(cfg)
+    weights = global_weights(layer, 3)
+    layer.load_global_state(weights)
+    tokens = [40 + 9 * r for r in range(world)]  # uneven: rank 0's count is the model's
+    xs, gys = inputs(world, tokens, M, 3)
+    ry, _, rgx, rgrads = run_reference(weights, cfg, xs, gys)
+    calls, ran = 0, set()
+    while layer.tuning:
+        y, _, gx, grads = run_layer(layer, xs[rank], gys[rank])
+        ran.add(repr(layer._run))  # the candidate this call ran
+        calls += 1
+        close(y, ry[rank].detach(), f"output, call {calls}")
+        close(gx, rgx[rank], f"input grad, call {calls}")
+        for name in ("w1_EMH", "w2_EHM"):
+            full = name if name in grads else f"experts.{name}"
+            close(grads[full], rgrads[full][layer.expert_slice()], f"{full}, call {calls}")
+    # shortlist x (1 warm-up + 2 measured) calls, then the call that decides.
+    assert calls == 3 * 3 + 1 and len(ran) == 3
+    chosen = layer.running()
+    assert repr(layer.resolved_config) in ran and chosen["policy"] != "auto"
+    every = [None] * world
+    dist.all_gather_object(every, chosen)
+    assert all(c == chosen for c in every)  # the ranks agree
+    run_layer(layer, xs[rank], gys[rank])
+    assert layer.running() == chosen  # and it stays
+    return True
+
+
+def test_an_auto_layer_times_its_shortlist_then_every_rank_keeps_the_same_fastest():
+    assert all(spawn(_layer_trials, 2, timeout=240))
+
+
+def test_an_auto_layer_without_trials_runs_the_models_first_choice_at_once():
+    layer = MoELayer(_config(trials=0))
+    assert layer.tuning and layer.resolved_config is None
+    y, aux = layer(torch.randn(16, M))
+    assert not layer.tuning
+    assert layer.running()["policy"] != "auto"
