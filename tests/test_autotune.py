@@ -173,6 +173,6 @@ def test_an_auto_layer_times_its_shortlist_then_every_rank_keeps_the_same_fastes
 def test_an_auto_layer_without_trials_runs_the_models_first_choice_at_once():
     layer = MoELayer(_config(trials=0))
     assert layer.tuning and layer.resolved_config is None
-    y, aux = layer(torch.randn(16, M))
-    assert not layer.tuning
+    y, _ = layer(torch.randn(16, M))
+    assert y.shape == (16, M) and not layer.tuning
     assert layer.running()["policy"] != "auto"
