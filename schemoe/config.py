@@ -141,13 +141,13 @@ class ScheduleConfig:
     (see schemoe.costmodel.tune) once per layer, on its first call, within accuracy_budget:
     "lossless" (no compression), "fp16" (none/fp16/bf16) or "lossy" (every compressor). With
     trials > 0 the model shortlists the `shortlist` most promising configurations and the
-    layer's first shortlist x trials calls run them in turn, timed; the fastest measured one is
-    kept (schemoe.costmodel.online). trials=0: the model's first choice, unmeasured."""
+    layer's first shortlist x (trials + 1) calls run them in turn, timed; the fastest measured
+    one is kept (schemoe.costmodel.online). trials=0: the model's first choice, unmeasured."""
 
     policy: str = "sequential"
     chunks: int = 1
     accuracy_budget: str = "lossless"
-    trials: int = 3
+    trials: int = 5
     shortlist: int = 4
 
     def __post_init__(self) -> None:

@@ -75,6 +75,7 @@ class MoELayer(nn.Module):
         self._costs = None
         self._tokens0 = 0  # rank 0's token count at the first call (what the cost model saw)
         self._trials = None  # policy "auto" with trials: online.Trials until it has decided
+        self.trial_report: list[dict] = []  # then each candidate's median and the choice
         if config.schedule.policy != "auto":
             self._use(config)
 
@@ -182,6 +183,7 @@ class MoELayer(nn.Module):
             return t.tolist()
 
         self._use(self._trials.configs[self._trials.decide(slowest)])
+        self.trial_report = self._trials.report
         self._trials = None
         return False
 
@@ -193,16 +195,9 @@ class MoELayer(nn.Module):
 
     def running(self) -> dict | None:
         """{policy, chunks, algorithm, compression} of `resolved_config`, None while tuning."""
-        c = self.resolved_config
-        if c is None:
-            return None
-        f, b = c.compression.forward, c.compression.backward
-        return {
-            "policy": c.schedule.policy,
-            "chunks": c.schedule.chunks,
-            "algorithm": c.collective.algorithm,
-            "compression": f if f == b else f"{f}/{b}",
-        }
+        from .costmodel.online import _summary
+
+        return None if self.resolved_config is None else _summary(self.resolved_config)
 
     @property
     def tuning(self) -> bool:
@@ -213,6 +208,7 @@ class MoELayer(nn.Module):
         self._check(x)
         self._first_call(x.numel() // self.config.experts.model_dim)
         timed = self._trials is not None and self._next_trial()
+        t0 = trace.clock(x.device) if timed else 0.0
         cfg = self._run
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
@@ -253,12 +249,11 @@ class MoELayer(nn.Module):
             self._costs,
             self._trials.add if timed else None,
         )
-        t0 = trace.clock(x.device) if timed else 0.0
         out_NM = run_region(region, rows_NM)
-        if timed:
-            self._trials.add(trace.clock(x.device) - t0)
         # 4. Weighted sum back in token order.
         y_TM = decode(out_NM, routing, x.dtype)
+        if timed:  # the whole forward call (the chunk plan depends on the candidate)
+            self._trials.add(trace.clock(x.device) - t0)
         return y_TM.view(x.shape), aux
 
     # ---------------------------------------------------------------- state

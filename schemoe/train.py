@@ -357,7 +357,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--policy", default="schemoe", help="a policy name, or auto (the cost model chooses)")
     m("--chunks", type=int, default=2)
     m("--budget", default="lossless", help="auto: lossless | fp16 | lossy compressors allowed")
-    m("--trials", type=int, default=3, help="auto: timed calls per shortlisted candidate")
+    m("--trials", type=int, default=5, help="auto: timed calls per shortlisted candidate")
     m("--shortlist", type=int, default=4, help="auto: candidates the model shortlists")
     m("--algorithm", default="naive")
     m("--compress", default="none", help="forward (activation) compressor")

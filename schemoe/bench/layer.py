@@ -240,6 +240,8 @@ def bench(args: argparse.Namespace, env) -> None:
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
+    trials = [row for layer in layers.values() for row in layer.trial_report]
+    head += [f"# auto trial: {t}" for t in trials]
     summary = {
         "results": rows,
         "lower_bound_ms": max(compute, comm),
@@ -249,6 +251,7 @@ def bench(args: argparse.Namespace, env) -> None:
         "link_rate_gbps": env.link_rate_gbps,
         "world_size": world,
         "ranks_per_node": env.ranks_per_node,
+        "auto_trials": trials,
     }
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
     timer.report(head, rows + parts, cols, summary)

@@ -13,9 +13,10 @@ r (`tune.shortlist`), and the real layer, on the real data, picks among them.
 
 Calls run the candidates round-robin: a first round unmeasured (schedules are built, caches and
 buffers warm), then `samples` measured rounds, so slow drifts of a shared machine hit every
-candidate alike. A sample is one call's scheduled-region time, forward plus (when it runs before
-the next forward call) backward; routing, layout and the router's GEMM do not depend on the
-choice. `decide` takes each candidate's median, lets `reduce` combine them across ranks (the
+candidate alike. A sample is one call's time: the layer's forward call (routing and layout
+included: the chunk plan depends on the candidate) plus its scheduled region's backward, when
+that runs before the next forward call (the layout's and router's backward do not depend on the
+choice). `decide` takes each candidate's median, lets `reduce` combine them across ranks (the
 layer passes an all-reduce MAX, so every rank keeps the same configuration: the slowest rank
 sets the step), and returns the index of the fastest.
 """
@@ -28,6 +29,16 @@ from collections.abc import Callable, Sequence
 __all__ = ["Trials"]
 
 log = logging.getLogger("schemoe.costmodel")
+
+
+def _summary(cfg) -> dict:
+    f, b = cfg.compression.forward, cfg.compression.backward
+    return {
+        "policy": cfg.schedule.policy,
+        "chunks": cfg.schedule.chunks,
+        "algorithm": cfg.collective.algorithm,
+        "compression": f if f == b else f"{f}/{b}",
+    }
 
 
 class Trials:
@@ -48,6 +59,7 @@ class Trials:
         self.times: list[list[float]] = [[] for _ in self.configs]
         self._calls = 0
         self._open: tuple[int, float] | None = None  # (candidate, seconds so far) of this call
+        self.report: list[dict] = []  # after decide(): each candidate, its median, the choice
 
     @property
     def calls(self) -> int:
@@ -90,16 +102,10 @@ class Trials:
             raise RuntimeError(f"decide() before every sample is in: {self.times}")
         med = reduce(self.medians())
         best = min(range(len(med)), key=lambda i: (med[i], i))
-        for i, (cfg, m) in enumerate(zip(self.configs, med)):
-            s = cfg.schedule
-            log.info(
-                "auto trial: %s%s r=%d %s %s/%s: median %.2f ms",
-                "-> " if i == best else "   ",
-                s.policy,
-                s.chunks,
-                cfg.collective.algorithm,
-                cfg.compression.forward,
-                cfg.compression.backward,
-                m * 1e3,
-            )
+        self.report = [
+            {**_summary(cfg), "median_ms": round(m * 1e3, 3), "chosen": i == best}
+            for i, (cfg, m) in enumerate(zip(self.configs, med))
+        ]
+        for row in self.report:
+            log.info("auto trial: %s", row)
         return best
