@@ -67,6 +67,13 @@ def test_fit_link_keeps_the_median_per_size_as_a_non_decreasing_curve():
     assert type(hw).from_json(hw.to_json()) == hw  # curves survive the profile cache
 
 
+def test_fit_link_on_samples_that_fall_with_size_keeps_a_flat_curve_and_a_finite_rate():
+    # A fast loopback link: the smallest transfer happened to be the slowest (seen in profiles).
+    link = fit_link([65536, 262144, 1048576], [0.0044, 0.0019, 0.0024])
+    assert link.points == ((65536.0, 0.0044), (262144.0, 0.0044), (1048576.0, 0.0044))
+    assert (link.alpha, link.beta) == (0.0, pytest.approx(1048576 / 0.0044))
+
+
 # ------------------------------------------------------------------ the shortlist
 def test_the_shortlist_holds_one_candidate_per_partition_and_chunk_count_fastest_first():
     hw = preset("local")

@@ -211,6 +211,28 @@ def test_simulate_command_ends_with_the_json_contract(capsys, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_simulate_systems_and_ablation_ladder_on_the_paper_cluster(capsys):
+    # The paper's ablation layer (PAPER.md): each ScheMoE part takes time off the step.
+    argv = "simulate --preset paper-32gpu --tokens 16384 --model-dim 8192 --hidden 8192"
+    argv += " --top-k 1 --capacity-factor 1.2 --budget lossy --max-chunks 2 --systems --ablation"
+    assert cli.main(argv.split()) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    steps = [r["step"] for r in out["ablation"]]
+    assert steps == ["naive", "+ zfp", "+ pipe", "+ scheduling"]
+    ms = [r["predicted_ms"] for r in out["ablation"]]
+    assert ms[0] > ms[1] >= ms[2] > ms[3] > 0
+    last = out["ablation"][-1]
+    assert (last["policy"], last["algorithm"], last["compressor"], last["chunks"]) == (
+        "schemoe",
+        "pipe",
+        "zfp",
+        2,
+    )
+    systems = {r["policy"]: r for r in out["systems"]}
+    assert set(systems) == {"tutel", "fastermoe", "schemoe"}
+    assert systems["schemoe"]["predicted_ms"] < systems["tutel"]["predicted_ms"]
+
+
 def test_simulate_rejects_an_unknown_preset_with_the_known_names(capsys):
     argv = "simulate --preset nope --tokens 8 --model-dim 8 --hidden 8"
     assert cli.main(argv.split()) == 2

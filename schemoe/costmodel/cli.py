@@ -9,7 +9,8 @@
 All three end with one JSON line. simulate's: {"preset", "results": [{"policy", "algorithm",
 "compressor", "chunks", "predicted_ms"}, ...] (one row per policy at its best configuration),
 "chosen": {...}}, plus "systems" with --systems (each system as it ships: tutel and fastermoe
-uncompressed on naive, schemoe on pipe + zfp at r = 2, as in the paper).
+uncompressed on naive, schemoe on pipe + zfp at r = 2, as in the paper) and "ablation" with
+--ablation (the paper's ablation ladder: naive, + ZFP, + Pipe-A2A, + scheduling at r = 2).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
         topo,
         model_dim=opts["model_dim"],
         hidden=opts["hidden"],
+        tokens=opts["tokens"],
+        experts=opts["experts"],
         rate_bps=opts["rate_bps"],
         quick=opts["quick"],
     )
@@ -55,8 +58,11 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
     )
     print(
         f"experts: {hw.flops / 1e9:.2f} GFLOP/s, {hw.gemm_alpha * 1e6:.1f} us per GEMM; "
-        f"memory {hw.memory / 1e9:.2f} GB/s, stream {hw.stream_rate / 1e9:.2f} GB/s; per task {hw.task_overhead * 1e6:.1f} us; "
-        f"per step {hw.step_overhead * 1e3:.2f} ms"
+        f"memory {hw.memory / 1e9:.2f} GB/s, stream {hw.stream_rate / 1e9:.2f} GB/s"
+    )
+    print(
+        f"layer: per task {hw.task_overhead * 1e6:.1f} us, per step {hw.step_overhead * 1e3:.2f} "
+        f"ms, compute x{hw.compute_factor:.2f}, a waiting rank keeps {hw.comm_cpu:.2f} core busy"
     )
     print(json.dumps({"key": key, "hardware": hw.to_json(), "points": pts}))
     return hw.to_json()
@@ -70,6 +76,8 @@ def _profile(args: argparse.Namespace) -> int:
         "ranks_per_node": args.ranks_per_node,
         "model_dim": args.model_dim,
         "hidden": args.hidden,
+        "tokens": args.tokens,
+        "experts": args.experts,
         "quick": args.quick,
         "path": args.path,
         "rate_bps": parse_rate(args.link_rate) if args.link_rate else None,
@@ -119,6 +127,26 @@ def _systems(hw, shape, layers: int, dense: float) -> list[dict]:
         rows.append(best)
     rows.append(predict(hw, shape, "schemoe", "pipe", ("zfp", "zfp"), 2))
     return [{**p.row(), "predicted_ms": round(layers * (p.step_s + dense) * 1e3, 3)} for p in rows]
+
+
+ABLATION = (
+    ("naive", "sequential", "naive", "none", 1),
+    ("+ zfp", "sequential", "naive", "zfp", 1),
+    ("+ pipe", "sequential", "pipe", "zfp", 1),
+    ("+ scheduling", "schemoe", "pipe", "zfp", 2),
+)
+
+
+def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
+    """The paper's ablation ladder (PAPER.md "Ablation"): each step adds one ScheMoE part."""
+    from .tune import predict
+
+    rows = []
+    for step, pol, alg, comp, r in ABLATION:
+        p = predict(hw, shape, pol, alg, (comp, comp), r)
+        ms = round(layers * (p.step_s + dense) * 1e3, 3)
+        rows.append({"step": step, **p.row(), "predicted_ms": ms})
+    return rows
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -172,6 +200,10 @@ def _simulate(args: argparse.Namespace) -> int:
         out["systems"] = _systems(hw, shape, args.layers, dense)
         for r in out["systems"]:
             print(f"as shipped: {r}")
+    if args.ablation:
+        out["ablation"] = _ablation(hw, shape, args.layers, dense)
+        for r in out["ablation"]:
+            print(f"ablation: {r}")
     if args.png:
         events: list = []
         predict(
@@ -320,8 +352,10 @@ def register(subparsers) -> None:
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: nproc / 2")
     p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. 1gbit")
     p.add_argument("--path", default=None, help="cache file (default ~/.cache/schemoe/...)")
-    p.add_argument("--model-dim", type=int, default=512, help="GEMM shape to fit at")
+    p.add_argument("--model-dim", type=int, default=512, help="the layer shape to fit at")
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    p.add_argument("--experts", type=int, default=0, help="default: 2 per rank")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=guard("schemoe profile", _profile))
@@ -344,6 +378,7 @@ def register(subparsers) -> None:
     s.add_argument("--budget", default="lossless", choices=["lossless", "fp16", "lossy"])
     s.add_argument("--max-chunks", type=int, default=8)
     s.add_argument("--systems", action="store_true", help="also each system as it ships")
+    s.add_argument("--ablation", action="store_true", help="also the paper's ablation ladder")
     s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")
     s.set_defaults(func=guard("schemoe simulate", _simulate))
 

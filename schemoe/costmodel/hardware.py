@@ -16,10 +16,15 @@ and FLOP:
     codecs       compressor name -> (encode, decode) seconds per input byte (float side)
     task_overhead  executor cost per task (ordering logic, the runner, posting a transfer)
     step_overhead  fixed cost of one layer step outside the scheduled region (Python, autograd)
+    compute_factor  the real layer's compute time over the model's at the profiled shape
+                 (gelu, allocation, cache effects the GEMM and copy fits miss); multiplies
+                 every compute cost. 1 for the presets
     backend      "gloo" or "nccl": how a plain all-to-all combines its intra and inter pairs
     host_ranks, host_cores   CPU ranks sharing one host's cores (the emulated testbed runs every
                  rank on one box); `flops`, `memory` and the codecs are then measured with all
                  host_ranks computing at once. host_cores = 0: every rank has its own device
+    comm_cpu     the share of a core a CPU rank keeps busy while it waits on communication
+                 (gloo's threads, the kernel's TCP stack): cores it leaves to the others
 
 Presets (`PRESETS`, `preset(name)`):
 
@@ -114,6 +119,8 @@ class Hardware:
     link_rate_bps: float | None = None
     host_ranks: int = 1
     host_cores: int = 0
+    compute_factor: float = 1.0
+    comm_cpu: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -127,6 +134,12 @@ class Hardware:
             raise ValueError(
                 f"flops and memory must be > 0 and stream >= 0, got {self.flops}, "
                 f"{self.memory}, {self.stream}"
+            )
+
+        if self.compute_factor <= 0 or not 0 <= self.comm_cpu <= 1:
+            raise ValueError(
+                f"need compute_factor > 0 and 0 <= comm_cpu <= 1, got {self.compute_factor}, "
+                f"{self.comm_cpu}"
             )
 
     @property

@@ -14,8 +14,10 @@ it does in training; a sample's time is the slowest rank's, from `schemoe.bench.
   3. memory: index_select of rows at a few sizes: bytes / second; stream: an in-place add (a
      weight-gradient accumulation) at the same sizes;
   4. codecs: every registered compressor's encode and decode: seconds per float byte;
-  5. overheads: a tiny layer on a one-rank group at r = 1 and r = 8 gives the executor's cost
-     per task ((t8 - t1) / 98 extra tasks) and the fixed cost per step (t1 minus the model).
+  5. real layer steps (`_calibrate`): a tiny layer on a one-rank group at r = 1 and r = 8 gives
+     the executor's cost per task ((t8 - t1) / 98 extra tasks) and the fixed cost per step (t1
+     minus the model); the layer at the profiled shape on a one-rank group (compute only) gives
+     `compute_factor`, and on all ranks (sequential, r = 1) `comm_cpu`.
 
 The result is a `Hardware` record, cached as JSON in `path` (default ~/.cache/schemoe/
 profiles.json) under the key "NODESxRANKS@RATE" (RATE: the link rate in bit/s, or "unshaped").
@@ -56,10 +58,8 @@ def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:
     """t = alpha + bytes / beta from (bytes, seconds) samples, keeping the samples as the link's
     measured curve (`Link.points`: one point per size, the median of repeats where a size comes
     more than once, made non-decreasing, since a larger transfer never takes less time and a
-    dip is noise)."""
-    a, s = fit_line(nbytes, seconds)
-    if s <= 0:
-        raise ValueError(f"timings do not grow with size ({list(zip(nbytes, seconds))})")
+    dip is noise). The line is fitted to the samples; where noise makes them fall with size
+    (a fast link at small sizes), to the curve's end through the origin."""
     by_size: dict[float, list[float]] = {}
     for b, t in zip(nbytes, seconds):
         by_size.setdefault(float(b), []).append(float(t))
@@ -68,6 +68,9 @@ def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:
         ts = sorted(by_size[b])
         floor = max(floor, ts[len(ts) // 2])
         points.append((b, floor))
+    a, s = fit_line(nbytes, seconds)
+    if s <= 0:
+        a, s = 0.0, points[-1][1] / points[-1][0]
     return Link(alpha=a, beta=1.0 / s, points=tuple(points) if len(points) >= 2 else ())
 
 
@@ -245,43 +248,81 @@ def _memory_and_codecs(model_dim: int, repeats: int):
     return memory, stream, codecs
 
 
-def _overheads(partial_hw: Hardware, repeats: int) -> tuple[float, float]:
+def _layer(shape, ranks_per_node: int, r: int, group=None):
+    """One training step of an MoE layer of `shape` (forward + backward) at r chunks."""
     import torch
+
+    from .. import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
+
+    gate = GateConfig(
+        num_experts=shape.experts, top_k=shape.top_k, capacity_factor=shape.capacity_factor
+    )
+    experts = ExpertConfig(model_dim=shape.model_dim, hidden_dim=shape.hidden_dim)
+    schedule = ScheduleConfig(policy="sequential" if r == 1 else "schemoe", chunks=r)
+    parallel = ParallelConfig(ranks_per_node=ranks_per_node)
+    cfg = MoEConfig(gate=gate, experts=experts, parallel=parallel, schedule=schedule)
+    layer = MoELayer(cfg, group=group)
+    x = torch.randn(shape.tokens, shape.model_dim, requires_grad=True)
+
+    def run():
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+
+    return run
+
+
+def _solve(f, target: float, lo: float, hi: float) -> float:
+    """x in [lo, hi] with f(x) = target for an increasing f (bisection; clamped to the ends)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
+    """The constants no micro-benchmark isolates, fitted on real layer steps (forward + backward),
+    all ranks at once:
+
+    - task_overhead, step_overhead: a tiny one-rank layer (T=256, D=64, E=8) at r = 8 and r = 1;
+      per task: what r = 8 costs over r = 1 beyond the model, over the 2 x 7 x 7 extra tasks;
+      per step: what r = 1 costs beyond the model.
+    - compute_factor: the layer at `shape` on a one-rank group (its all-to-alls are local copies:
+      compute only) over the model's time for it.
+    - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
+      step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores.
+    """
     import torch.distributed as dist
 
-    from .. import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
     from .model import LayerShape
     from .tune import predict
 
     world, rank = dist.get_world_size(), dist.get_rank()
     solo = [dist.new_group([q]) for q in range(world)][rank]  # collective: all create all
-    T, D, E = 256, 64, 8
-    x = torch.randn(T, D, requires_grad=True)
+    tiny = LayerShape(256, 64, 128, 8)
+    cands = {("tiny", 1): _layer(tiny, 1, 1, solo), ("tiny", 8): _layer(tiny, 1, 8, solo)}
+    cands["solo"] = _layer(shape, 1, 1, solo)
+    if world > 1:
+        cands["all"] = _layer(shape, topo.ranks_per_node, 1)
+    times = _timed(cands, repeats)
+    one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
+    m1, m8 = (predict(one, tiny, "schemoe", chunks=r).step_s for r in (1, 8))
+    per_task = max(0.0, (times["tiny", 8] - times["tiny", 1] - (m8 - m1)) / (2 * 7 * 7))
+    one = replace(one, task_overhead=per_task)
+    step = max(0.0, times["tiny", 1] - predict(one, tiny, "schemoe").step_s)
+    one = replace(one, step_overhead=step)
+    factor = times["solo"] / predict(one, shape, "sequential").step_s
+    hw = replace(hw, task_overhead=per_task, step_overhead=step, compute_factor=factor)
+    if "all" in times and hw.host_cores:
 
-    def step(r):
-        layer = MoELayer(
-            MoEConfig(
-                gate=GateConfig(num_experts=E, top_k=2),
-                experts=ExpertConfig(model_dim=D, hidden_dim=2 * D),
-                schedule=ScheduleConfig(policy="schemoe", chunks=r),
-            ),
-            group=solo,
-        )
+        def seq(w):
+            return predict(replace(hw, comm_cpu=w), shape, "sequential").step_s
 
-        def run():
-            y, aux = layer(x)
-            (y.sum() + aux).backward()
-
-        return run
-
-    times = _timed({1: step(1), 8: step(8)}, 2 * repeats)
-    t1, t8 = times[1], times[8]
-    hw = replace(partial_hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
-    shape = LayerShape(T, D, 2 * D, E)
-    m1, m8 = (predict(hw, shape, "schemoe", chunks=r).step_s for r in (1, 8))
-    per_task = max(0.0, (t8 - t1 - (m8 - m1)) / (2 * 7 * 7))  # what the model leaves out
-    hw = replace(hw, task_overhead=per_task)
-    return per_task, max(0.0, t1 - predict(hw, shape, "schemoe").step_s)
+        hw = replace(hw, comm_cpu=_solve(seq, times["all"], 0.0, 1.0))
+    return hw
 
 
 def _host_sharing() -> tuple[int, int]:
@@ -306,14 +347,21 @@ def measure(
     *,
     model_dim: int = 512,
     hidden: int = 1024,
+    tokens: int = 1024,
+    experts: int = 0,
     rate_bps: float | None = None,
     quick: bool = False,
     name: str = "profile",
 ) -> tuple[Hardware, dict]:
-    """Fit a Hardware record on the ranks of `topo` (collective); (record, raw points)."""
+    """Fit a Hardware record on the ranks of `topo` (collective); (record, raw points). The
+    GEMMs are fitted at `model_dim` x `hidden`, and the layer steps run `tokens` per rank and
+    `experts` experts (0: 2 per rank), top-2, f = 1.25: profile at your layer's shape."""
     import torch.distributed as dist
 
+    from .model import LayerShape
+
     repeats = 3 if quick else 7
+    E = experts or 2 * topo.world
     sizes = (256 << 10, 1 << 20, 4 << 20) if quick else (128 << 10, 512 << 10, 2 << 20, 8 << 20)
     intra, inter, pts = _links(topo, sizes, repeats)
     memory, stream, codecs = _memory_and_codecs(model_dim, repeats)
@@ -335,8 +383,7 @@ def measure(
         link_rate_bps=rate_bps,
         host_ranks=host_ranks,
         host_cores=cores,
-        notes=f"fitted by schemoe profile at D={model_dim}, H={hidden}",
+        notes=f"fitted by schemoe profile at T={tokens}, D={model_dim}, H={hidden}, E={E}",
     )
-    task, step = _overheads(hw, repeats)
-    hw = replace(hw, task_overhead=task, step_overhead=step)
+    hw = _calibrate(hw, topo, LayerShape(tokens, model_dim, hidden, E), repeats)
     return hw, {k: [list(p) for p in v] for k, v in pts.items()}

@@ -112,11 +112,12 @@ def predict(
 ) -> Prediction:
     """Simulate one configuration; append its timeline to `events` if given (forward from 0,
     backward after forward + outside). When CPU ranks share cores (hw.host_cores), the compute
-    speed depends on how busy the ranks are (`model.sharing_scale`): three fixed-point passes."""
+    speed depends on how busy the ranks are (`model.sharing_scale`): three fixed-point passes.
+    Every compute cost is also multiplied by `hw.compute_factor`."""
     partition = POLICIES.get(policy).partition
     scale, passes = 1.0, 3 if sharing_scale(hw, 0.0) != 1.0 else 1
     for _ in range(passes):
-        cm = CostModel(hw, shape, algorithm, compressors, compute_scale=scale)
+        cm = CostModel(hw, shape, algorithm, compressors, compute_scale=scale * hw.compute_factor)
         out, busy, t0 = {}, cm.outside(), 0.0
         evs: list = []
         for direction in ("forward", "backward"):
