@@ -99,6 +99,19 @@ def test_the_shortlist_prefers_a_fixed_policy_unless_search_is_clearly_faster():
     assert got == [("search", 4), ("schemoe", 2)]
 
 
+def test_the_shortlist_breaks_near_ties_toward_schemoe_and_keeps_a_clear_winner():
+    P = tune.Prediction
+    none = ("none", "none")
+    preds = [
+        P("tutel", "naive", none, 8, 0.4220, 0.0, 0.0),  # link-bound: the model ties them
+        P("schemoe", "pipe", none, 8, 0.4221, 0.0, 0.0),
+        P("tutel", "naive", none, 4, 0.500, 0.0, 0.0),  # a clear winner stays
+        P("schemoe", "naive", none, 4, 0.520, 0.0, 0.0),
+    ]
+    got = [(p.policy, p.algorithm, p.chunks) for p in tune.shortlist(preds, 4)]
+    assert got == [("schemoe", "pipe", 8), ("tutel", "naive", 4)]
+
+
 def test_choose_with_n_returns_that_many_distinct_configurations():
     picks = tune.choose(_config(), 1024, (2, 2), preset("local"), n=3)
     assert isinstance(picks, list) and len(picks) == 3

@@ -244,6 +244,12 @@ def test_cpu_ranks_sharing_cores_compute_faster_the_more_the_others_wait():
     assert model.sharing_scale(shared, 1.0) == 1.0  # as profiled: all four computing
     assert model.sharing_scale(shared, 0.0) == 0.5  # alone: a whole core instead of half
     assert model.sharing_scale(_hw(), 0.0) == 1.0  # own device: no sharing
+    # A communicating rank keeps comm_cpu of a core busy, waiting or overlapped with compute.
+    chatty = _hw(host_ranks=4, host_cores=2, comm_cpu=0.5)
+    assert model.sharing_scale(chatty, 0.0) == 0.75  # k = 1 + 4 x 0.5 = 3 busy, of 4
+    assert model.sharing_scale(chatty, 1.0, comm=0.5) == (1 + 3 + 4 * 0.5 * 0.5) / 4
+    with pytest.raises(ValueError, match="comm_cpu"):
+        _hw(comm_cpu=1.5)
     shape = model.LayerShape(tokens=1024, model_dim=256, hidden_dim=1024, experts=4)
     fast = tune.predict(shared, shape, "sequential")
     assert fast.step_s < tune.predict(_hw(), shape, "sequential").step_s

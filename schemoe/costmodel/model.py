@@ -166,19 +166,21 @@ def expert_time(
     )
 
 
-def sharing_scale(hw: Hardware, busy: float) -> float:
+def sharing_scale(hw: Hardware, busy: float, comm: float | None = None) -> float:
     """How much faster compute runs than profiled when ranks share a host's cores and are not in
     lockstep: with n = host_ranks ranks on c = host_cores cores, each computing a fraction
-    `busy` of the time independently and keeping `comm_cpu` of a core busy the rest of the time
-    (waiting on gloo: its threads and the kernel's TCP stack), a computing rank shares the cores
-    with k = 1 + (n - 1) (busy + comm_cpu (1 - busy)) busy ranks on average and runs at
-    min(1, c / k) of a core, against c / n when profiled (all n computing):
-    duration scale = max(k, c) / n. 1 without sharing."""
+    `busy` of the time independently and communicating a fraction `comm` (default 1 - busy),
+    during which it keeps `comm_cpu` of a core busy (gloo's threads, the kernel's TCP stack,
+    overlapped with its own compute or not), a computing rank shares the cores with
+    k = 1 + (n - 1) busy + n comm_cpu comm busy ranks on average and runs at min(1, c / k) of a
+    core, against c / n when profiled (all n computing): duration scale = max(k, c) / n.
+    1 without sharing."""
     n, c = hw.host_ranks, hw.host_cores
     if c <= 0 or n <= c:
         return 1.0
     busy = min(max(busy, 0.0), 1.0)
-    k = 1 + (n - 1) * (busy + hw.comm_cpu * (1 - busy))
+    comm = 1 - busy if comm is None else min(max(comm, 0.0), 1.0)
+    k = 1 + (n - 1) * busy + n * hw.comm_cpu * comm
     return max(k, c) / n
 
 

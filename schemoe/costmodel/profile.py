@@ -14,10 +14,10 @@ it does in training; a sample's time is the slowest rank's, from `schemoe.bench.
   3. memory: index_select of rows at a few sizes: bytes / second; stream: an in-place add (a
      weight-gradient accumulation) at the same sizes;
   4. codecs: every registered compressor's encode and decode: seconds per float byte;
-  5. real layer steps (`_calibrate`): a tiny layer on a one-rank group at r = 1 and r = 8 gives
-     the executor's cost per task ((t8 - t1) / 98 extra tasks) and the fixed cost per step (t1
-     minus the model); the layer at the profiled shape on a one-rank group (compute only) gives
-     `compute_factor`, and on all ranks (sequential, r = 1) `comm_cpu`.
+  5. real layer steps (`_calibrate`): a tiny layer on a one-rank group gives the fixed cost per
+     step (its time minus the model); the layer at the profiled shape on a one-rank group
+     (compute only) at r = 1 and r = 8 gives `compute_factor` and the cost per task, and on
+     all ranks (sequential, r = 1) `comm_cpu`.
 
 The result is a `Hardware` record, cached as JSON in `path` (default ~/.cache/schemoe/
 profiles.json) under the key "NODESxRANKS@RATE" (RATE: the link rate in bit/s, or "unshaped").
@@ -249,7 +249,7 @@ def _memory_and_codecs(model_dim: int, repeats: int):
 
 
 def _layer(shape, ranks_per_node: int, r: int, group=None):
-    """One training step of an MoE layer of `shape` (forward + backward) at r chunks."""
+    """One training step (forward + backward) of an MoE layer of `shape`, sequential at r chunks."""
     import torch
 
     from .. import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
@@ -258,7 +258,7 @@ def _layer(shape, ranks_per_node: int, r: int, group=None):
         num_experts=shape.experts, top_k=shape.top_k, capacity_factor=shape.capacity_factor
     )
     experts = ExpertConfig(model_dim=shape.model_dim, hidden_dim=shape.hidden_dim)
-    schedule = ScheduleConfig(policy="sequential" if r == 1 else "schemoe", chunks=r)
+    schedule = ScheduleConfig(policy="sequential", chunks=r)
     parallel = ParallelConfig(ranks_per_node=ranks_per_node)
     cfg = MoEConfig(gate=gate, experts=experts, parallel=parallel, schedule=schedule)
     layer = MoELayer(cfg, group=group)
@@ -287,11 +287,12 @@ def _calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
     """The constants no micro-benchmark isolates, fitted on real layer steps (forward + backward),
     all ranks at once:
 
-    - task_overhead, step_overhead: a tiny one-rank layer (T=256, D=64, E=8) at r = 8 and r = 1;
-      per task: what r = 8 costs over r = 1 beyond the model, over the 2 x 7 x 7 extra tasks;
-      per step: what r = 1 costs beyond the model.
-    - compute_factor: the layer at `shape` on a one-rank group (its all-to-alls are local copies:
-      compute only) over the model's time for it.
+    - step_overhead: a tiny one-rank layer (T=256, D=64, E=8) at r = 1, minus the model;
+    - compute_factor s and task_overhead o: the layer at `shape` on a one-rank group with a
+      rank's share of the experts, E / P (its all-to-alls are local copies: compute only; tokens
+      such that each expert gets P C rows, the GEMMs a rank runs in the distributed step; top-k
+      at most E / P), at r = 1 and r = 8:
+      t_r = s (m_r + o n_r), with m_r the model's step and n_r its tasks (o >= 0);
     - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
       step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores.
     """
@@ -303,19 +304,30 @@ def _calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
     world, rank = dist.get_world_size(), dist.get_rank()
     solo = [dist.new_group([q]) for q in range(world)][rank]  # collective: all create all
     tiny = LayerShape(256, 64, 128, 8)
-    cands = {("tiny", 1): _layer(tiny, 1, 1, solo), ("tiny", 8): _layer(tiny, 1, 8, solo)}
-    cands["solo"] = _layer(shape, 1, 1, solo)
+    El = max(1, shape.experts // world)  # top-k' of E / P, tokens so each expert gets P C rows
+    k = min(shape.top_k, El)
+    T = round(world * shape.capacity * El / ((shape.capacity_factor or 1.0) * k))
+    local = replace(shape, tokens=T, experts=El, top_k=k)
+    cands = {"tiny": _layer(tiny, 1, 1, solo)}
+    cands.update({("solo", r): _layer(local, 1, r, solo) for r in (1, 8)})
     if world > 1:
         cands["all"] = _layer(shape, topo.ranks_per_node, 1)
     times = _timed(cands, repeats)
     one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
-    m1, m8 = (predict(one, tiny, "schemoe", chunks=r).step_s for r in (1, 8))
-    per_task = max(0.0, (times["tiny", 8] - times["tiny", 1] - (m8 - m1)) / (2 * 7 * 7))
-    one = replace(one, task_overhead=per_task)
-    step = max(0.0, times["tiny", 1] - predict(one, tiny, "schemoe").step_s)
+    step = max(0.0, times["tiny"] - predict(one, tiny, "sequential").step_s)
     one = replace(one, step_overhead=step)
-    factor = times["solo"] / predict(one, shape, "sequential").step_s
-    hw = replace(hw, task_overhead=per_task, step_overhead=step, compute_factor=factor)
+
+    def model(r, o=0.0):
+        return predict(replace(one, task_overhead=o), local, "sequential", chunks=r).step_s
+
+    (m1, m8), dt = (model(1), model(8)), 1e-4
+    n1, n8 = (model(1, dt) - m1) / dt, (model(8, dt) - m8) / dt
+    t1, t8 = times["solo", 1], times["solo", 8]
+    det = m1 * n8 - m8 * n1
+    s, q = (t1 * n8 - t8 * n1) / det, (m1 * t8 - m8 * t1) / det
+    if q < 0 or s <= 0:  # more chunks cost less than the model says: no per-task cost
+        s, q = (t1 * m1 + t8 * m8) / (m1 * m1 + m8 * m8), 0.0
+    hw = replace(hw, step_overhead=step, task_overhead=q / s, compute_factor=s)
     if "all" in times and hw.host_cores:
 
         def seq(w):
