@@ -14,7 +14,7 @@ it does in training; a sample's time is the slowest rank's, from `schemoe.bench.
   3. memory: index_select of rows at a few sizes: bytes / second; stream: an in-place add (a
      weight-gradient accumulation) at the same sizes;
   4. codecs: every registered compressor's encode and decode: seconds per float byte;
-  5. real layer steps (`_calibrate`): a tiny layer on a one-rank group gives the fixed cost per
+  5. real layer steps (`calibrate.py`): a tiny layer on a one-rank group gives the fixed cost per
      step (its time minus the model); the layer at the profiled shape on a one-rank group
      (compute only) at r = 1 and r = 8 gives `compute_factor` and the cost per task, and on
      all ranks (sequential, r = 1) `comm_cpu`.
@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 
 from .hardware import Hardware, Link
@@ -248,95 +247,6 @@ def _memory_and_codecs(model_dim: int, repeats: int):
     return memory, stream, codecs
 
 
-def _layer(shape, ranks_per_node: int, r: int, group=None):
-    """One training step (forward + backward) of an MoE layer of `shape`, sequential at r chunks."""
-    import torch
-
-    from .. import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
-
-    gate = GateConfig(
-        num_experts=shape.experts, top_k=shape.top_k, capacity_factor=shape.capacity_factor
-    )
-    experts = ExpertConfig(model_dim=shape.model_dim, hidden_dim=shape.hidden_dim)
-    schedule = ScheduleConfig(policy="sequential", chunks=r)
-    parallel = ParallelConfig(ranks_per_node=ranks_per_node)
-    cfg = MoEConfig(gate=gate, experts=experts, parallel=parallel, schedule=schedule)
-    layer = MoELayer(cfg, group=group)
-    x = torch.randn(shape.tokens, shape.model_dim, requires_grad=True)
-
-    def run():
-        y, aux = layer(x)
-        (y.sum() + aux).backward()
-
-    return run
-
-
-def _solve(f, target: float, lo: float, hi: float) -> float:
-    """x in [lo, hi] with f(x) = target for an increasing f (bisection; clamped to the ends)."""
-    if f(lo) >= target:
-        return lo
-    if f(hi) <= target:
-        return hi
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
-def _calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
-    """The constants no micro-benchmark isolates, fitted on real layer steps (forward + backward),
-    all ranks at once:
-
-    - step_overhead: a tiny one-rank layer (T=256, D=64, E=8) at r = 1, minus the model;
-    - compute_factor s and task_overhead o: the layer at `shape` on a one-rank group with a
-      rank's share of the experts, E / P (its all-to-alls are local copies: compute only; tokens
-      such that each expert gets P C rows, the GEMMs a rank runs in the distributed step; top-k
-      at most E / P), at r = 1 and r = 8:
-      t_r = s (m_r + o n_r), with m_r the model's step and n_r its tasks (o >= 0);
-    - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
-      step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores.
-    """
-    import torch.distributed as dist
-
-    from .model import LayerShape
-    from .tune import predict
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    solo = [dist.new_group([q]) for q in range(world)][rank]  # collective: all create all
-    tiny = LayerShape(256, 64, 128, 8)
-    El = max(1, shape.experts // world)  # top-k' of E / P, tokens so each expert gets P C rows
-    k = min(shape.top_k, El)
-    T = round(world * shape.capacity * El / ((shape.capacity_factor or 1.0) * k))
-    local = replace(shape, tokens=T, experts=El, top_k=k)
-    cands = {"tiny": _layer(tiny, 1, 1, solo)}
-    cands.update({("solo", r): _layer(local, 1, r, solo) for r in (1, 8)})
-    if world > 1:
-        cands["all"] = _layer(shape, topo.ranks_per_node, 1)
-    times = _timed(cands, repeats)
-    one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
-    step = max(0.0, times["tiny"] - predict(one, tiny, "sequential").step_s)
-    one = replace(one, step_overhead=step)
-
-    def model(r, o=0.0):
-        return predict(replace(one, task_overhead=o), local, "sequential", chunks=r).step_s
-
-    (m1, m8), dt = (model(1), model(8)), 1e-4
-    n1, n8 = (model(1, dt) - m1) / dt, (model(8, dt) - m8) / dt
-    t1, t8 = times["solo", 1], times["solo", 8]
-    det = m1 * n8 - m8 * n1
-    s, q = (t1 * n8 - t8 * n1) / det, (m1 * t8 - m8 * t1) / det
-    if q < 0 or s <= 0:  # more chunks cost less than the model says: no per-task cost
-        s, q = (t1 * m1 + t8 * m8) / (m1 * m1 + m8 * m8), 0.0
-    hw = replace(hw, step_overhead=step, task_overhead=q / s, compute_factor=s)
-    if "all" in times and hw.host_cores:
-
-        def seq(w):
-            return predict(replace(hw, comm_cpu=w), shape, "sequential").step_s
-
-        hw = replace(hw, comm_cpu=_solve(seq, times["all"], 0.0, 1.0))
-    return hw
-
-
 def _host_sharing() -> tuple[int, int]:
     """(ranks on this host, its cores) when CPU ranks share cores, else (1, 0). The testbed's
     namespaces share one kernel, so the hostname names the box."""
@@ -370,6 +280,7 @@ def measure(
     `experts` experts (0: 2 per rank), top-2, f = 1.25: profile at your layer's shape."""
     import torch.distributed as dist
 
+    from .calibrate import calibrate
     from .model import LayerShape
 
     repeats = 3 if quick else 7
@@ -397,5 +308,5 @@ def measure(
         host_cores=cores,
         notes=f"fitted by schemoe profile at T={tokens}, D={model_dim}, H={hidden}, E={E}",
     )
-    hw = _calibrate(hw, topo, LayerShape(tokens, model_dim, hidden, E), repeats)
+    hw = calibrate(hw, topo, LayerShape(tokens, model_dim, hidden, E), repeats)
     return hw, {k: [list(p) for p in v] for k, v in pts.items()}
