@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_cases import close, global_weights, inputs, run_layer, run_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
 from schemoe._dist import spawn
-from schemoe.costmodel import online, tune
+from schemoe.costmodel import online, prediction, tune
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import LayerShape
 from schemoe.costmodel.profile import fit_link
@@ -88,7 +88,7 @@ def test_the_shortlist_holds_one_candidate_per_partition_and_chunk_count_fastest
 
 
 def test_the_shortlist_prefers_a_fixed_policy_unless_search_is_clearly_faster():
-    P = tune.Prediction
+    P = prediction.Prediction
     preds = [
         P("search", "naive", ("none", "none"), 2, 0.100, 0.0, 0.0),
         P("schemoe", "naive", ("none", "none"), 2, 0.1004, 0.0, 0.0),
@@ -100,7 +100,7 @@ def test_the_shortlist_prefers_a_fixed_policy_unless_search_is_clearly_faster():
 
 
 def test_the_shortlist_breaks_near_ties_toward_schemoe_and_keeps_a_clear_winner():
-    P = tune.Prediction
+    P = prediction.Prediction
     none = ("none", "none")
     preds = [
         P("tutel", "naive", none, 8, 0.4220, 0.0, 0.0),  # link-bound: the model ties them

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig, cli
-from schemoe.costmodel import hardware, model, profile, search, simulator, tune
+from schemoe.costmodel import hardware, model, prediction, profile, search, simulator, tune
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule
 
@@ -251,8 +251,8 @@ def test_cpu_ranks_sharing_cores_compute_faster_the_more_the_others_wait():
     with pytest.raises(ValueError, match="comm_cpu"):
         _hw(comm_cpu=1.5)
     shape = model.LayerShape(tokens=1024, model_dim=256, hidden_dim=1024, experts=4)
-    fast = tune.predict(shared, shape, "sequential")
-    assert fast.step_s < tune.predict(_hw(), shape, "sequential").step_s
+    fast = prediction.predict(shared, shape, "sequential")
+    assert fast.step_s < prediction.predict(_hw(), shape, "sequential").step_s
 
 
 def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
@@ -262,4 +262,4 @@ def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
     hw = profile.load(2, 1, path=path)
     assert hw is not None and hw.flops > 0 and hw.inter.beta > 0 and "fp16" in hw.codecs
     shape = model.LayerShape(tokens=256, model_dim=64, hidden_dim=128, experts=2)
-    assert tune.predict(hw, shape, "schemoe", chunks=2).step_s > 0
+    assert prediction.predict(hw, shape, "schemoe", chunks=2).step_s > 0

@@ -224,7 +224,7 @@ def bench(args: argparse.Namespace, env) -> None:
             row.update(policy=f"auto:{run['policy']}", algorithm=run["algorithm"],
                        compressor=run["compression"], chunks=run["chunks"])  # fmt: skip
         if args.predict and name in layers:
-            from ..costmodel.tune import predict_ms
+            from ..costmodel.prediction import predict_ms
 
             rate = env.testbed.rate_bps if env.testbed else None
             shape = (world // env.ranks_per_node, env.ranks_per_node)

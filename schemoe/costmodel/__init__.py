@@ -5,16 +5,18 @@ best task order (`search` policy) and configuration (`tune.choose`), and plan at
     model      per-task cost functions and CostModel (a layer on a cluster -> task durations)
     simulator  run(schedule, graph, costs) -> (makespan, trace events), the executor's rules
     search     the "search" policy (registered on import)
-    tune       predict, explore, choose, resolve (ScheduleConfig(policy="auto"))
+    prediction predict, predict_config: one configuration's simulated step
+    tune       explore, shortlist, choose, resolve (ScheduleConfig(policy="auto"))
     online     Trials: "auto"'s first calls time the model's shortlist and keep the fastest
-    profile    fit and cache the constants on the running ranks
+    profile    fit and cache the constants on the running ranks (calibrate: on real layer steps)
 """
 
 from . import search
 from .hardware import PRESETS, Hardware, Link, preset
 from .model import A2A_MODELS, CostModel, LayerShape, TaskCosts
+from .prediction import predict, predict_config
 from .simulator import run
-from .tune import choose, explore, predict, predict_config, resolve
+from .tune import choose, explore, resolve
 
 __all__ = [
     "A2A_MODELS",

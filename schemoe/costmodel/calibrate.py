@@ -67,7 +67,7 @@ def calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
     import torch.distributed as dist
 
     from .model import LayerShape
-    from .tune import predict
+    from .prediction import predict
 
     world, rank = dist.get_world_size(), dist.get_rank()
     solo = [dist.new_group([q]) for q in range(world)][rank]  # collective: all create all

@@ -115,7 +115,7 @@ def _shape(args, hw):
 def _systems(hw, shape, layers: int, dense: float) -> list[dict]:
     """Each system as it ships (PAPER.md 'Baselines'): tutel, fastermoe uncompressed on a plain
     all-to-all at their best r; schemoe with Pipe-A2A and ZFP at the paper's r = 2."""
-    from .tune import predict
+    from .prediction import predict
 
     rows = []
     for pol in ("tutel", "fastermoe"):
@@ -139,7 +139,7 @@ ABLATION = (
 
 def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
     """The paper's ablation ladder (PAPER.md "Ablation"): each step adds one ScheMoE part."""
-    from .tune import predict
+    from .prediction import predict
 
     rows = []
     for step, pol, alg, comp, r in ABLATION:
@@ -153,7 +153,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from ..trace import gantt
     from . import profile
     from .hardware import preset
-    from .tune import explore, predict
+    from .prediction import predict
+    from .tune import explore
 
     if args.profile:
         hw = profile.load(args.nodes, args.ranks_per_node, path=args.profile)
@@ -251,7 +252,7 @@ def _validate(args: argparse.Namespace) -> int:
     """Predict every row of saved bench outputs; print errors; optional predicted-vs-measured PNG."""
     from .. import config as c
     from . import profile
-    from .tune import predict_config
+    from .prediction import predict_config
 
     points = []
     for spec in args.runs:

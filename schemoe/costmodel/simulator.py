@@ -21,7 +21,7 @@ What it does not model:
   * contention between links and compute: on CPU, gloo's threads and the kernel's TCP stack take
     cycles from the compute thread (and NCCL kernels take SMs on a GPU); a link is assumed to move
     bytes at its rate whatever the compute does. (CPU ranks sharing cores are handled outside,
-    by scaling compute durations: `model.sharing_scale`, applied in `tune.predict`);
+    by scaling compute durations: `model.sharing_scale`, applied in `prediction.predict`);
   * other ranks: it follows one representative rank; a gloo collective completing only when the
     slowest rank reaches it (rank skew, uneven per-rank loads as in fastermoe's peer groups) is
     not simulated;

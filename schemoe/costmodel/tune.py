@@ -1,20 +1,13 @@
-"""Predicted step times and auto-tuning: choose policy, r, algorithm and compressor by simulation.
+"""Auto-tuning: choose policy, r, algorithm and compressor by simulation (prediction.py).
 
-    predict(hw, shape, "schemoe", "pipe", ("fp16", "fp16"), chunks=4) -> Prediction
     choose(moe_config, tokens_per_rank, topology, hw, accuracy_budget="lossless") -> MoEConfig
     choose(..., n=4) -> [MoEConfig]     # the shortlist a measured trial settles (online.py)
     resolve(config, tokens, topology)   # what MoELayer calls for ScheduleConfig(policy="auto")
 
-A layer step (forward + backward, what `schemoe bench layer` times) is predicted as
-
-    step = makespan(forward schedule) + outside + makespan(backward schedule)
-
-with both makespans from `simulator.run` on the Schedule the policy gives for that graph (the
-`search` policy gets the CostModel) and `outside` the router, layout and counts exchange
-(`CostModel.outside`). `choose` simulates every candidate: policies sequential, tutel, fastermoe
-and schemoe x r in AUTO_CHUNKS = 1, 2, 4, 8 (fastermoe: r <= P) x every registered algorithm with
-a cost model but AUTO_SKIPS (pairwise) x every registered compressor the accuracy budget allows (same one forward and
-backward):
+`choose` predicts every candidate (`prediction.predict`): policies sequential, tutel, fastermoe
+and schemoe x r in AUTO_CHUNKS = 1, 2, 4, 8 (fastermoe: r <= P) x every registered algorithm
+with a cost model but AUTO_SKIPS (pairwise) x every registered compressor the accuracy budget
+allows (same one forward and backward):
 
     lossless  compressors marked lossless (the built-ins: none only)
     fp16      none, fp16, bf16
@@ -30,28 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 from ..config import CollectiveConfig, CompressionConfig, MoEConfig, ScheduleConfig
-from ..scheduling.policies import POLICIES, make_schedule
-from ..scheduling.tasks import TaskGraph
-from . import search as _search  # noqa: F401  (registers the "search" policy)
-from . import simulator
+from ..scheduling.policies import POLICIES
 from .hardware import Hardware
-from .model import A2A_MODELS, CostModel, LayerShape, sharing_scale, wire_ratio
+from .model import A2A_MODELS, CostModel, LayerShape, wire_ratio
+from .prediction import Prediction, predict, topology_of
 
 __all__ = [
     "AUTO_CHUNKS",
     "AUTO_SKIPS",
     "BUDGETS",
-    "Prediction",
     "candidates",
     "choose",
     "cost_model_for",
     "explore",
-    "predict",
-    "predict_config",
-    "predict_ms",
     "resolve",
     "shortlist",
 ]
@@ -61,103 +47,6 @@ log = logging.getLogger("schemoe.costmodel")
 BUDGETS = ("lossless", "fp16", "lossy")
 BASE_POLICIES = ("sequential", "tutel", "fastermoe", "schemoe")
 _DECISIONS: dict[tuple, MoEConfig] = {}
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One candidate's simulated step, seconds."""
-
-    policy: str
-    algorithm: str
-    compressors: tuple[str, str]
-    chunks: int
-    forward_s: float
-    outside_s: float
-    backward_s: float
-
-    @property
-    def step_s(self) -> float:
-        return self.forward_s + self.outside_s + self.backward_s
-
-    @property
-    def compressor(self) -> str:
-        f, b = self.compressors
-        return f if f == b else f"{f}/{b}"
-
-    def row(self) -> dict:
-        return {
-            "policy": self.policy,
-            "algorithm": self.algorithm,
-            "compressor": self.compressor,
-            "chunks": self.chunks,
-            "predicted_ms": round(self.step_s * 1e3, 4),
-        }
-
-
-def _topology(topology) -> tuple[int, int]:
-    if isinstance(topology, tuple):
-        return topology
-    return topology.nodes, topology.ranks_per_node
-
-
-def predict(
-    hw: Hardware,
-    shape: LayerShape,
-    policy: str,
-    algorithm: str = "naive",
-    compressors: tuple[str, str] = ("none", "none"),
-    chunks: int = 1,
-    *,
-    events: list | None = None,
-) -> Prediction:
-    """Simulate one configuration; append its timeline to `events` if given (forward from 0,
-    backward after forward + outside). When CPU ranks share cores (hw.host_cores), the compute
-    speed depends on how busy the ranks are (`model.sharing_scale`): three fixed-point passes.
-    Every compute cost is also multiplied by `hw.compute_factor`."""
-    partition = POLICIES.get(policy).partition
-    scale, passes = 1.0, 3 if sharing_scale(hw, 0.0) != 1.0 else 1
-    for _ in range(passes):
-        cm = CostModel(hw, shape, algorithm, compressors, compute_scale=scale * hw.compute_factor)
-        out, busy, comm, t0 = {}, cm.outside(), 0.0, 0.0
-        evs: list = []
-        for direction in ("forward", "backward"):
-            graph = TaskGraph(chunks, cm.links, direction, partition)
-            sched = make_schedule(policy, graph, cm)
-            span, ev = simulator.run(sched, graph, cm, origin=t0, record=events is not None)
-            out[direction] = span
-            evs += ev
-            tc = cm.task_costs(graph)
-            busy += sum(v + tc.overhead for t, v in tc.durations.items() if not t.is_comm)
-            comm += sum(v for t, v in tc.durations.items() if t.is_comm)
-            t0 += span + cm.outside()
-        step = out["forward"] + out["backward"] + cm.outside()
-        scale = sharing_scale(hw, busy / step, comm / step) if step else 1.0
-    if events is not None:
-        events.extend(evs)
-    return Prediction(
-        policy, algorithm, tuple(compressors), chunks, out["forward"], cm.outside(), out["backward"]
-    )
-
-
-def predict_config(
-    config: MoEConfig,
-    tokens: int,
-    hw: Hardware,
-    dtype_bytes: int = 4,
-    *,
-    events: list | None = None,
-) -> Prediction:
-    """The predicted step of `config` (its policy, r, algorithm, compressors) on `hw`."""
-    c = config
-    return predict(
-        hw,
-        LayerShape.of(c, tokens, dtype_bytes),
-        c.schedule.policy,
-        c.collective.algorithm,
-        (c.compression.forward, c.compression.backward),
-        c.schedule.chunks,
-        events=events,
-    )
 
 
 def _compressors(hw: Hardware, shape: LayerShape, budget: str) -> list[str]:
@@ -304,7 +193,7 @@ def choose(
     kept) on `costs` with `topology` ((nodes, ranks_per_node) or a Topology), within the budget,
     over r in AUTO_CHUNKS. With n > 1, the `shortlist` of up to n configurations (a list,
     fastest predicted first). Cached per layer shape; each decision is logged."""
-    nodes, rpn = _topology(topology)
+    nodes, rpn = topology_of(topology)
     hw = costs.with_topology(nodes, rpn)
     shape = LayerShape.of(moe_config, tokens_per_rank)
     key = (shape, nodes, rpn, hw.dumps(), accuracy_budget, n)
@@ -334,7 +223,7 @@ def _from_rank0(make, topology):
     distributed with several ranks; otherwise just make())."""
     import torch.distributed as dist
 
-    nodes, rpn = _topology(topology)
+    nodes, rpn = topology_of(topology)
     group = getattr(topology, "group", None)
     if not (dist.is_available() and dist.is_initialized() and nodes * rpn > 1):
         return make()
@@ -367,7 +256,7 @@ def resolve(
     from .hardware import preset
 
     budget = config.schedule.accuracy_budget
-    nodes, rpn = _topology(topology)
+    nodes, rpn = topology_of(topology)
 
     def decide():
         hw = hardware or profile.load(nodes, rpn, path=profile_path)
@@ -399,7 +288,7 @@ def cost_model_for(
     schedules must match: transfers are collectives). Ranks must pass the same `tokens`."""
     from . import profile
 
-    nodes, rpn = _topology(topology)
+    nodes, rpn = topology_of(topology)
     key = (repr(config), tokens, nodes, rpn, id(hardware), path, dtype_bytes)
     if key not in _COST_MODELS:
         hw = _from_rank0(lambda: hardware or profile.load(nodes, rpn, path=path), topology)
@@ -413,24 +302,3 @@ def cost_model_for(
             )
         _COST_MODELS[key] = cm
     return _COST_MODELS[key]
-
-
-def predict_ms(
-    config: MoEConfig,
-    tokens: int,
-    topology,
-    hardware: Hardware | None = None,
-    path: str | None = None,
-    rate_bps: float | None = None,
-    dtype_bytes: int = 4,
-) -> float | None:
-    """Predicted step (forward + backward) of `config` in ms on `hardware`, else on the cached
-    profile of `topology` (and link rate); None when there is no profile or no model for the
-    algorithm. What `schemoe bench layer --predict` reports as `predicted_ms`."""
-    from . import profile
-
-    nodes, rpn = _topology(topology)
-    hw = hardware or profile.load(nodes, rpn, rate_bps, path=path)
-    if hw is None or config.collective.algorithm not in A2A_MODELS:
-        return None
-    return predict_config(config, tokens, hw.with_topology(nodes, rpn), dtype_bytes).step_s * 1e3
