@@ -17,7 +17,13 @@ from .config import (
     ScheduleConfig,
 )
 from .layer import MoELayer
-from .parallel import ddp_ignore_experts, dense_parameters, expert_parameters, is_expert_param
+from .parallel import (
+    clip_grad_norm_,
+    ddp_ignore_experts,
+    dense_parameters,
+    expert_parameters,
+    is_expert_param,
+)
 from .reference import reference_moe
 from .topology import Topology
 
@@ -33,6 +39,7 @@ __all__ = [
     "ParallelConfig",
     "ScheduleConfig",
     "Topology",
+    "clip_grad_norm_",
     "collectives",
     "compression",
     "ddp_ignore_experts",

@@ -41,9 +41,9 @@ from .config import (
 )
 from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
-from .parallel import ddp_ignore_experts, dense_parameters, expert_parameters
+from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
 
-__all__ = ["clip_grad_norm_", "load_corpus", "lr_at", "moe_config_from_args", "parse_args",
+__all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args",
            "register", "train"]
 
 
@@ -90,29 +90,6 @@ def lr_at(step: int, a: argparse.Namespace) -> float:
     t = min(1.0, (step - w) / max(1, a.steps - w))
     lo = a.lr * a.min_lr_ratio
     return lo + (a.lr - lo) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> float:
-    """Clip all gradients by their global norm; returns the norm before clipping.
-
-    norm = sqrt(|dense|^2 + all_reduce_sum(|local experts|^2)): dense gradients are identical on
-    every rank after DDP's all-reduce, so they count once; each rank holds different experts.
-    max_norm <= 0 only measures. Collective over `group` (the expert-parallel group).
-    """
-    dense = [p.grad for p in dense_parameters(model) if p.grad is not None]
-    experts = [p.grad for p in expert_parameters(model) if p.grad is not None]
-
-    def sq(gs: list[torch.Tensor]) -> torch.Tensor:
-        return sum((g.detach().float().pow(2).sum() for g in gs), torch.zeros(()))
-
-    expert_sq = sq(experts)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(expert_sq, group=group)
-    norm = float((sq(dense) + expert_sq).sqrt())  # host sync
-    if max_norm > 0 and norm > max_norm:
-        for g in dense + experts:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
 
 
 def _optimizer(model: nn.Module, a: argparse.Namespace) -> torch.optim.Optimizer:
