@@ -23,8 +23,8 @@ and FLOP:
     host_ranks, host_cores   CPU ranks sharing one host's cores (the emulated testbed runs every
                  rank on one box); `flops`, `memory` and the codecs are then measured with all
                  host_ranks computing at once. host_cores = 0: every rank has its own device
-    comm_cpu     the share of a core a CPU rank keeps busy while it waits on communication
-                 (gloo's threads, the kernel's TCP stack): cores it leaves to the others
+    comm_cpu     the share of a core a CPU rank keeps busy while it communicates, waiting or
+                 overlapped with its own compute (gloo's threads, the kernel's TCP stack)
 
 Presets (`PRESETS`, `preset(name)`):
 
@@ -135,7 +135,6 @@ class Hardware:
                 f"flops and memory must be > 0 and stream >= 0, got {self.flops}, "
                 f"{self.memory}, {self.stream}"
             )
-
         if self.compute_factor <= 0 or not 0 <= self.comm_cpu <= 1:
             raise ValueError(
                 f"need compute_factor > 0 and 0 <= comm_cpu <= 1, got {self.compute_factor}, "
