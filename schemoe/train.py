@@ -43,8 +43,7 @@ from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
 from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
 
-__all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args",
-           "register", "train"]
+__all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args", "register", "train"]
 
 
 def _options(items: list[str]) -> dict[str, dict]:
@@ -66,18 +65,32 @@ def _options(items: list[str]) -> dict[str, dict]:
 def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
     """Every MoEConfig field, from the command line."""
     return MoEConfig(
-        gate=GateConfig(num_experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor,
-                        renormalize=a.renormalize, noise_std=a.noise_std, priority=a.priority,
-                        aux_loss_weight=a.aux_loss_weight, z_loss_weight=a.z_loss_weight,
-                        bias_update_rate=a.bias_update_rate),
-        experts=ExpertConfig(model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation,
-                             bias=a.expert_bias),
+        gate=GateConfig(
+            num_experts=a.experts,
+            top_k=a.top_k,
+            capacity_factor=a.capacity_factor,
+            renormalize=a.renormalize,
+            noise_std=a.noise_std,
+            priority=a.priority,
+            aux_loss_weight=a.aux_loss_weight,
+            z_loss_weight=a.z_loss_weight,
+            bias_update_rate=a.bias_update_rate,
+        ),
+        experts=ExpertConfig(
+            model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation, bias=a.expert_bias
+        ),
         parallel=ParallelConfig(ranks_per_node=a.ranks_per_node),
-        schedule=ScheduleConfig(policy=a.policy, chunks=a.chunks, accuracy_budget=a.budget,
-                                trials=a.trials, shortlist=a.shortlist),
+        schedule=ScheduleConfig(
+            policy=a.policy,
+            chunks=a.chunks,
+            accuracy_budget=a.budget,
+            trials=a.trials,
+            shortlist=a.shortlist,
+        ),
         collective=CollectiveConfig(algorithm=a.algorithm),
-        compression=CompressionConfig(forward=a.compress, backward=a.compress_backward,
-                                      options=_options(a.compress_option)),
+        compression=CompressionConfig(
+            forward=a.compress, backward=a.compress_backward, options=_options(a.compress_option)
+        ),
     )
 
 
@@ -95,9 +108,11 @@ def lr_at(step: int, a: argparse.Namespace) -> float:
 def _optimizer(model: nn.Module, a: argparse.Namespace) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                              {"params": other, "weight_decay": 0.0}],
-                             lr=a.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+    )
 
 
 class _Progress:
@@ -143,8 +158,17 @@ def _plot(losses: list[float], evals: list[list[float]], path: str) -> None:
 
 
 def _check(a: argparse.Namespace) -> None:
-    for n, lo in (("steps", 1), ("batch", 1), ("seq_len", 1), ("save_every", 0), ("clip", 0),
-                  ("eval_every", 0), ("eval_seqs", 0), ("warmup", 0), ("stop_after", 0)):
+    for n, lo in (
+        ("steps", 1),
+        ("batch", 1),
+        ("seq_len", 1),
+        ("save_every", 0),
+        ("clip", 0),
+        ("eval_every", 0),
+        ("eval_seqs", 0),
+        ("warmup", 0),
+        ("stop_after", 0),
+    ):
         if (v := getattr(a, n)) is not None and v < lo:
             raise ValueError(f"--{n.replace('_', '-')} must be >= {lo}, got {v}")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
@@ -160,11 +184,19 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     data = load_corpus(a.corpus, a.corpus_bytes)
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
-    core = GPT(GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads,
-                         moe_every=a.moe_every), moe_config_from_args(a), seed=a.seed)
+    core = GPT(
+        GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every),
+        moe_config_from_args(a),
+        seed=a.seed,
+    )
     torch.manual_seed(a.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
-    model = core if world == 1 else nn.parallel.DistributedDataParallel(  # buffers (the expert
-        ddp_ignore_experts(core), broadcast_buffers=False)  # bias) have their own all-reduce
+    model = (
+        core
+        if world == 1
+        else nn.parallel.DistributedDataParallel(  # buffers (the expert
+            ddp_ignore_experts(core), broadcast_buffers=False
+        )
+    )  # bias) have their own all-reduce
     opt = _optimizer(core, a)
     g = torch.Generator().manual_seed(a.seed * 7919 + rank)
     moe = [m for m in core.modules() if isinstance(m, MoELayer)]
@@ -191,9 +223,14 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
 
     def save(step: int) -> None:
         where[1] = "save"
-        checkpoint.save(a.save, core, opt, step=step, rng={"torch": torch.get_rng_state(),
-                        "data": g.get_state()}, meta={"args": args, "losses": losses,
-                                                       "evals": evals})
+        checkpoint.save(
+            a.save,
+            core,
+            opt,
+            step=step,
+            rng={"torch": torch.get_rng_state(), "data": g.get_state()},
+            meta={"args": args, "losses": losses, "evals": evals},
+        )
 
     def eval_now(step: int) -> None:
         where[1] = "eval"
@@ -240,10 +277,12 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
                 parts[k].append(v)
             if rank == 0 and (step == start + 1 or step % a.log_every == 0 or step == last):
-                bar.print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, a):.2e}  "
-                          f"grad norm {gnorm:.3f}  tokens/s {tok / times[-1]:,.0f}  "
-                          f"(fwd {1e3 * (t1 - t0):.0f} ms, bwd {1e3 * (t2 - t1):.0f} ms, "
-                          f"opt {1e3 * (t3 - t2):.0f} ms)")
+                bar.print(
+                    f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, a):.2e}  "
+                    f"grad norm {gnorm:.3f}  tokens/s {tok / times[-1]:,.0f}  "
+                    f"(fwd {1e3 * (t1 - t0):.0f} ms, bwd {1e3 * (t2 - t1):.0f} ms, "
+                    f"opt {1e3 * (t3 - t2):.0f} ms)"
+                )
             bar.update(step, start + 1, losses[-1])
             if a.eval_every and step % a.eval_every == 0 and step != last:
                 eval_now(step)
@@ -339,8 +378,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--algorithm", default="naive")
     m("--compress", default="none", help="forward (activation) compressor")
     m("--compress-backward", default="none", help="gradient compressor")
-    m("--compress-option", action="append", default=[], metavar="NAME.KEY=VALUE",
-      help="compressor option, e.g. zfp.rate=4 (repeatable)")
+    m(
+        "--compress-option",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="compressor option, e.g. zfp.rate=4 (repeatable)",
+    )
     o = p.add_argument_group("optimisation and evaluation").add_argument
     o("--lr", type=float, default=3e-3, help="peak learning rate")
     o("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
