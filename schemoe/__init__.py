@@ -1,12 +1,9 @@
-"""schemoe: Mixture-of-Experts training with scheduled, overlapped expert-parallel communication."""
+"""schemoe: Mixture-of-Experts training with scheduled, overlapped expert-parallel communication.
 
-from . import (
-    collectives,
-    compression,
-    costmodel,  # noqa: F401 (registers the "search" policy)
-    scheduling,
-    trace,
-)
+`import schemoe` loads the library (layers, scheduling, plug-ins); the tools (profiler, bench,
+testbed) and the planning layers (costmodel, autotune) load when imported."""
+
+from . import collectives, compression, scheduling, trace
 from .config import (
     CollectiveConfig,
     CompressionConfig,
@@ -24,7 +21,6 @@ from .parallel import (
     expert_parameters,
     is_expert_param,
 )
-from .reference import reference_moe
 from .topology import Topology
 
 __version__ = "0.1.0"
@@ -46,7 +42,6 @@ __all__ = [
     "dense_parameters",
     "expert_parameters",
     "is_expert_param",
-    "reference_moe",
     "scheduling",
     "trace",
 ]

@@ -15,7 +15,7 @@ COMMANDS = [
     "schemoe.checkpoint",
     "schemoe.testbed.cli",
     "schemoe.bench.cli",
-    "schemoe.costmodel.cli",
+    "schemoe.profiler.cli",
 ]
 
 

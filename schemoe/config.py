@@ -124,25 +124,32 @@ class ExpertConfig:
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Expert-parallel layout. ranks_per_node overrides the launcher's LOCAL_WORLD_SIZE, so tests
-    can treat 4 local ranks as 2 nodes x 2."""
+    can treat 4 local ranks as 2 nodes x 2. uniform_tokens declares that every rank of the group
+    routes the same number of tokens at every call (the usual training case): in capacity mode
+    the all-to-all splits then follow from the config, with no counts exchange and no host sync
+    (see schemoe.dispatcher); a wrong declaration makes the all-to-alls' splits disagree."""
 
     ranks_per_node: int | None = None
+    uniform_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks_per_node is not None:
             _int("ranks_per_node", self.ranks_per_node, 1)
+        if not isinstance(self.uniform_tokens, bool):
+            raise TypeError(f"uniform_tokens must be a bool, got {self.uniform_tokens!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """Task scheduling: the policy that orders the tasks and r, the number of chunks.
 
-    policy="auto" lets the cost model choose policy, r, all-to-all algorithm and compressors
-    (see schemoe.costmodel.tune) once per layer, on its first call, within accuracy_budget:
-    "lossless" (no compression), "fp16" (none/fp16/bf16) or "lossy" (every compressor). With
-    trials > 0 the model shortlists the `shortlist` most promising configurations and the
-    layer's first shortlist x (trials + 1) calls run them in turn, timed; the fastest measured
-    one is kept (schemoe.costmodel.online). trials=0: the model's first choice, unmeasured."""
+    policy="auto" is resolved by a tuner (`schemoe.autotune.AutoTuner`, which `schemoe train`
+    and `schemoe bench` attach): on the layer's first call the cost model chooses policy, r,
+    all-to-all algorithm and compressors within accuracy_budget: "lossless" (no compression),
+    "fp16" (none/fp16/bf16) or "lossy" (every compressor). With trials > 0 the model shortlists
+    the `shortlist` most promising configurations and the layer's first shortlist x (trials + 1)
+    calls run them in turn, timed; the fastest measured one is kept. trials=0: the model's first
+    choice, unmeasured. policy="search" takes its cost model from the same tuner."""
 
     policy: str = "sequential"
     chunks: int = 1
@@ -207,6 +214,16 @@ class MoEConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+
+    def summary(self) -> dict:
+        """{policy, chunks, algorithm, compression}: what a layer runs, in one line."""
+        f, b = self.compression.forward, self.compression.backward
+        return {
+            "policy": self.schedule.policy,
+            "chunks": self.schedule.chunks,
+            "algorithm": self.collective.algorithm,
+            "compression": f if f == b else f"{f}/{b}",
+        }
 
     def __post_init__(self) -> None:
         for name, typ in (

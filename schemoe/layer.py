@@ -1,31 +1,40 @@
-"""MoELayer: routing, layout and the scheduled expert-parallel region, composed.
+"""MoELayer: a router, a token dispatcher and the scheduled expert-parallel region, composed.
 
 Legend: T tokens on this rank, M model dim, E experts, P ranks, El = E / P, N buffer rows.
 
-    x [.., M] -> route -> encode -> rows [N, M] -> scheduled region (dispatch a2a, experts,
-    combine a2a; r chunks under a policy) -> rows [N, M] -> decode -> y [.., M], aux loss
+    x [.., M] -> route -> dispatcher.dispatch -> rows [N, M] -> scheduled region (dispatch a2a,
+    experts, combine a2a; r chunks under a policy) -> rows [N, M] -> dispatcher.combine
+    -> y [.., M], aux loss
+
+A layer runs one resolved configuration (`running`): its config, or for policy "auto" what a
+tuner (`schemoe.autotune.AutoTuner`) hands it through `configure`. The forward never consults a
+cost model.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives, compression, trace
+from . import collectives, compression
 from .config import MoEConfig
+from .dispatcher import TokenDispatcher
 from .experts import BatchedFFN, ModuleExperts
 from .gating import load_balancing_loss, route, router_z_loss, update_balance_bias
-from .layout import decode, encode
-from .scheduling.autograd import Region, run_region
-from .scheduling.plan import build_plan
-from .scheduling.policies import POLICIES
+from .region import Region, run_region
+from .scheduling import POLICIES, Direction, TaskGraph, make_schedule
 from .topology import Topology
 
-__all__ = ["MoELayer"]
+__all__ = ["NEEDS_TUNER", "MoELayer"]
+
+# Policies a layer cannot run from its config alone: "auto" (which configuration) and "search"
+# (needs a cost model). A tuner (schemoe.autotune.AutoTuner) configures such layers.
+NEEDS_TUNER = ("auto", "search")
 
 
 def _distributed() -> bool:
@@ -68,16 +77,9 @@ class MoELayer(nn.Module):
         if E % P:
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {P}")
         self.num_local = E // P
-        # What runs: the config itself, or (policy "auto") what the cost model picks on the
-        # first call. Plug-in names are checked here, not in the config, so late registrations
-        # work.
-        self._run: MoEConfig | None = None
-        self._costs = None
-        self._tokens0 = 0  # rank 0's token count at the first call (what the cost model saw)
-        self._trials = None  # policy "auto" with trials: online.Trials until it has decided
-        self.trial_report: list[dict] = []  # then each candidate's median and the choice
-        if config.schedule.policy != "auto":
-            self._use(config)
+        self._running: MoEConfig | None = None
+        if config.schedule.policy not in NEEDS_TUNER:
+            self.configure(config)
 
         self.gate_weight = nn.Parameter(torch.empty(E, M))
         nn.init.uniform_(self.gate_weight, -1 / math.sqrt(M), 1 / math.sqrt(M))
@@ -92,6 +94,58 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
             self.expert_load = None
+
+    # ---------------------------------------------------------------- configuration
+    def configure(self, config: MoEConfig, costs: Any = None) -> None:
+        """Run `config` from the next call on: its policy, r, algorithm and compressors (the
+        gate, experts and parallel layout must be this layer's). `costs`: the cost model policy
+        "search" orders tasks with (required there; anything `scheduling.search` accepts); the
+        same on every rank.
+
+        Plug-in names are checked here, not in the config, so late registrations work. Every
+        rank must configure the same way (the schedules' transfers are collectives)."""
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if config.schedule.policy == "auto":
+            raise ValueError(
+                "configure() takes a resolved configuration; policy 'auto' is resolved by "
+                "schemoe.autotune.AutoTuner"
+            )
+        fixed = ("gate", "experts", "parallel")
+        if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
+            raise ValueError(
+                f"configure() may change schedule, collective and compression only, "
+                f"not {fixed}: got {config!r}"
+            )
+        policy = POLICIES.get(config.schedule.policy)
+        if config.schedule.policy == "search" and costs is None:
+            raise ValueError(
+                "policy 'search' needs a cost model: configure(config, costs=...) or attach "
+                "schemoe.autotune.AutoTuner"
+            )
+        self.algorithm = collectives.build(config.collective.algorithm, self.topology)
+        opts = config.compression.options
+        self.forward_compressor = compression.build(config.compression.forward, opts)
+        self.backward_compressor = compression.build(config.compression.backward, opts)
+        self.dispatcher = TokenDispatcher(
+            self.topology,
+            config.gate.num_experts,
+            config.schedule.chunks,
+            policy.partition,
+            uniform_tokens=config.parallel.uniform_tokens,
+        )
+        links = tuple(self.algorithm.links)
+        self._schedules = {}
+        for direction in Direction:
+            graph = TaskGraph(config.schedule.chunks, links, direction, policy.partition)
+            self._schedules[direction] = (graph, make_schedule(policy.name, graph, costs))
+        self._running = config
+
+    @property
+    def running(self) -> MoEConfig | None:
+        """The configuration the next call runs: `config`, or for policy "auto" what a tuner
+        configured (None until then; `running.summary()` in one line)."""
+        return self._running
 
     # ---------------------------------------------------------------- forward
     def _check(self, x: torch.Tensor) -> None:
@@ -110,106 +164,15 @@ class MoELayer(nn.Module):
                 f"input dtype {x.dtype} does not match the expert weights' dtype {w.dtype}; "
                 f"cast the layer (layer.to({x.dtype})) or run under torch.autocast"
             )
-
-    def _exchange_counts(self, counts: tuple[int, ...], device):
-        """Start the exchange of [P][El]: rows each rank holds for this rank's experts (a tiny
-        all-to-all). Returns a function that waits for it (a host sync: splits must be known)."""
-        P, El = self.topology.world, self.num_local
-        if P == 1:
-            return lambda: [list(counts)]
-        send = torch.tensor(counts, dtype=torch.long, device=device)
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.topology.group, async_op=True)
-
-        def wait() -> list[list[int]]:
-            work.wait()
-            flat = recv.tolist()
-            return [flat[s * El : (s + 1) * El] for s in range(P)]
-
-        return wait
-
-    def _use(self, cfg: MoEConfig) -> None:
-        """Run `cfg` from now on; policy "search" also gets this layer's cost model."""
-        self._policy = POLICIES.get(cfg.schedule.policy)
-        self.algorithm = collectives.build(cfg.collective.algorithm, self.topology)
-        opts = cfg.compression.options
-        self.forward_compressor = compression.build(cfg.compression.forward, opts)
-        self.backward_compressor = compression.build(cfg.compression.backward, opts)
-        self._costs = None
-        if cfg.schedule.policy == "search" and self._tokens0:
-            from .costmodel import tune
-
-            self._costs = tune.cost_model_for(cfg, self._tokens0, self.topology) or None
-        self._run = cfg
-
-    def _first_call(self, tokens: int) -> None:
-        """Policies "auto" and "search" consult the cost model once per layer, on the first call,
-        with rank 0's token count, so every rank runs the same schedule (collective). "auto"
-        with trials gets the model's shortlist and times it over the next calls."""
-        sched = self.config.schedule
-        if self._tokens0 or sched.policy not in ("auto", "search"):
-            return
-        from .costmodel import online, tune
-
-        if self.topology.world > 1:
-            t = torch.tensor([tokens])
-            dist.broadcast(t, self.topology.global_rank(0), group=self.topology.group)
-            tokens = int(t.item())
-        self._tokens0 = max(tokens, 1)
-        if sched.policy == "search":
-            self._use(self.config)
-            return
-        n = sched.shortlist if sched.trials else 1
-        picks = tune.resolve(self.config, self._tokens0, self.topology, n=n)
-        picks = picks if isinstance(picks, list) else [picks]
-        if len(picks) == 1:
-            self._use(picks[0])
-        else:
-            self._trials = online.Trials(picks, sched.trials)
-
-    def _next_trial(self) -> bool:
-        """Policy "auto" while trials run: switch to this call's candidate (True: time it), or
-        decide once every sample is in (collective: the ranks agree on the slowest's times)."""
-        i = self._trials.next()
-        if i is not None:
-            self._use(self._trials.configs[i])
-            return True
-
-        def slowest(medians: list[float]) -> list[float]:
-            if self.topology.world == 1:
-                return medians
-            t = torch.tensor(medians, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.topology.group)
-            return t.tolist()
-
-        self._use(self._trials.configs[self._trials.decide(slowest)])
-        self.trial_report = self._trials.report
-        self._trials = None
-        return False
-
-    @property
-    def resolved_config(self) -> MoEConfig | None:
-        """The configuration that runs: `config` itself, or for policy "auto" what was chosen
-        (None before the first call and while trials run; see `tuning`)."""
-        return None if self._trials is not None else self._run
-
-    def running(self) -> dict | None:
-        """{policy, chunks, algorithm, compression} of `resolved_config`, None while tuning."""
-        from .costmodel.online import _summary
-
-        return None if self.resolved_config is None else _summary(self.resolved_config)
-
-    @property
-    def tuning(self) -> bool:
-        """True until policy "auto" has settled on a configuration."""
-        return self._run is None or self._trials is not None
+        if self._running is None:
+            raise RuntimeError(
+                f"this MoELayer has policy {self.config.schedule.policy!r} and no configuration "
+                "yet: attach a tuner (schemoe.autotune.AutoTuner(model)) before the first call"
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x)
-        self._first_call(x.numel() // self.config.experts.model_dim)
-        timed = self._trials is not None and self._next_trial()
-        t0 = trace.clock(x.device) if timed else 0.0
-        cfg = self._run
+        cfg = self._running
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
         routing = route(
@@ -227,33 +190,21 @@ class MoELayer(nn.Module):
                 self.expert_load += torch.bincount(
                     routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
                 ).float()
-        # 2. Tokens into the expert-major buffer, while the buffer sizes are exchanged.
-        recv_counts = self._exchange_counts(routing.counts, x.device)
-        rows_NM = encode(x_TM, routing)
+        # 2. Tokens into the expert-major buffer; splits and the chunk plan.
+        rows_NM, meta = self.dispatcher.dispatch(x_TM, routing, dropless=cfg.gate.dropless)
         # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
-        plan = build_plan(
-            routing.counts,
-            recv_counts(),
-            self.topology.rank,
-            cfg.schedule.chunks,
-            self._policy.partition,
-            x.device,
-        )
         region = Region(
-            plan,
+            meta.plan,
             self.algorithm,
             self.forward_compressor,
             self.backward_compressor,
             self.experts,
-            cfg.schedule.policy,
-            self._costs,
-            self._trials.add if timed else None,
+            self._schedules[Direction.FORWARD],
+            self._schedules[Direction.BACKWARD],
         )
         out_NM = run_region(region, rows_NM)
         # 4. Weighted sum back in token order.
-        y_TM = decode(out_NM, routing, x.dtype)
-        if timed:  # the whole forward call (the chunk plan depends on the candidate)
-            self._trials.add(trace.clock(x.device) - t0)
+        y_TM = self.dispatcher.combine(out_NM, meta)
         return y_TM.view(x.shape), aux
 
     # ---------------------------------------------------------------- state

@@ -48,6 +48,13 @@ class Registry(Generic[T]):
                 f"unknown {self.what} {name!r}; known: {', '.join(sorted(self._items))}"
             ) from None
 
+    def unregister(self, name: str) -> T:
+        """Remove `name` and return what it named (tests register plug-ins in a fixture that
+        removes them afterwards)."""
+        if name not in self._items:
+            raise ValueError(f"{self.what} {name!r} is not registered")
+        return self._items.pop(name)
+
     def names(self) -> list[str]:
         return sorted(self._items)
 

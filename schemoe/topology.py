@@ -13,15 +13,36 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "per_world"]
 
-_SUBGROUPS: dict[tuple[Any, tuple[int, ...], str], Any] = {}
+# Objects tied to the process groups of one initialisation of torch.distributed (sub-groups,
+# all-to-all algorithms that own sub-groups and comm threads). Keys hold the groups themselves
+# (never their id(), which a later group may reuse); entries made under an earlier default
+# group (before destroy_process_group / a new init_process_group) are dropped, not reused.
+_PER_WORLD: dict[tuple, Any] = {}
+
+
+def _world() -> Any:
+    return c10d._get_default_group() if dist.is_initialized() else None
+
+
+def per_world(key: tuple, make: Callable[[], Any]) -> Any:
+    """`make()` once per `key` within the current process-group initialisation (cached)."""
+    world = _world()
+    for k in [k for k in _PER_WORLD if k[0] is not world]:
+        del _PER_WORLD[k]
+    full = (world, *key)
+    if full not in _PER_WORLD:
+        _PER_WORLD[full] = make()
+    return _PER_WORLD[full]
 
 
 @dataclass(frozen=True)
@@ -76,18 +97,14 @@ class Topology:
 
         Different tags give different communicators over the same ranks, so two transfers can
         run at the same time (each process group has its own worker and ordering)."""
-        key = (self.group, tuple(ranks), tag)
-        if key not in _SUBGROUPS:
-            _SUBGROUPS[key] = dist.new_group(
-                [self.global_rank(r) for r in ranks], timeout=self.timeout()
-            )
-        return _SUBGROUPS[key]
+        return per_world(
+            ("subgroup", self.group, tuple(ranks), tag),
+            lambda: dist.new_group([self.global_rank(r) for r in ranks], timeout=self.timeout()),
+        )
 
     def timeout(self) -> datetime.timedelta | None:
         """The parent group's collective timeout, so sub-groups raise as soon as it would
         (new_group's own default is 30 minutes). None when the backend does not say."""
-        from torch.distributed import distributed_c10d as c10d
-
         pg = self.group if self.group is not None else c10d._get_default_group()
         try:
             backend = pg._get_backend(

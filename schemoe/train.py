@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, failures
+from ._dist import init_process_group, spawn
+from .autotune import AutoTuner
 from .config import (
     CollectiveConfig,
     CompressionConfig,
@@ -200,6 +202,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     opt = _optimizer(core, a)
     g = torch.Generator().manual_seed(a.seed * 7919 + rank)
     moe = [m for m in core.modules() if isinstance(m, MoELayer)]
+    AutoTuner(core)  # resolves layers with policy "auto" / "search" on their first calls
     windows = eval_windows(eval_data, a.eval_seqs, a.seq_len, rank, world)
     losses, evals, start = [], [], 0
     if a.resume:
@@ -314,7 +317,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "steps": last,
         "world_size": world,
         **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compress")},
-        "moe_layers": [m.running() for m in moe],  # what runs ("auto": what it chose)
+        "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,
         "evals": evals,
@@ -329,8 +332,6 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
 def _main(a: argparse.Namespace) -> int:
     _check(a)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun / srun
-        from ._dist import init_process_group
-
         torch.set_num_threads(a.threads)
         init_process_group("gloo", a.timeout)
         try:
@@ -339,8 +340,6 @@ def _main(a: argparse.Namespace) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
         return 0
-    from ._dist import spawn
-
     # Collectives are bounded by --timeout; the run itself may take as long as it needs.
     spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads, run_timeout=float("inf"))
     return 0

@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from schemoe import MoEConfig, MoELayer, reference_moe
+from schemoe import MoEConfig, MoELayer
+from schemoe.autotune import TUNED, AutoTuner
+from schemoe.costmodel.hardware import preset
+from schemoe.testing import reference_moe
 
 ATOL, RTOL = 2e-5, 2e-4
 
@@ -98,6 +101,8 @@ def check_against_reference(
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(seed)
     layer = MoELayer(cfg, **layer_kw)
+    if cfg.schedule.policy in TUNED:  # planned on a fixed preset: never a profile on disk
+        AutoTuner(layer, hardware=preset("local"))
     weights = global_weights(layer, seed, dead_experts)
     layer.load_global_state(weights)
     xs, gys = inputs(len(tokens), tokens, cfg.experts.model_dim, seed, positive)

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from moe_cases import close, global_weights, inputs, run_layer, run_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
 from schemoe._dist import spawn
-from schemoe.costmodel import online, prediction, tune
+from schemoe.autotune import AutoTuner, Trials
+from schemoe.costmodel import prediction, tune
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import LayerShape
-from schemoe.costmodel.profile import fit_link
+from schemoe.costmodel.profiles import fit_link
 
 E, M, H = 8, 12, 20
 
@@ -112,8 +113,8 @@ def test_the_shortlist_breaks_near_ties_toward_schemoe_and_keeps_a_clear_winner(
     assert got == [("schemoe", "pipe", 8), ("tutel", "naive", 4)]
 
 
-def test_choose_with_n_returns_that_many_distinct_configurations():
-    picks = tune.choose(_config(), 1024, (2, 2), preset("local"), n=3)
+def test_choose_shortlist_returns_that_many_distinct_configurations():
+    picks = tune.choose_shortlist(_config(), 1024, (2, 2), preset("local"), n=3)
     assert isinstance(picks, list) and len(picks) == 3
     assert len({(c.schedule.policy, c.schedule.chunks) for c in picks}) == 3
     assert tune.choose(_config(), 1024, (2, 2), preset("local")) == picks[0]
@@ -122,7 +123,7 @@ def test_choose_with_n_returns_that_many_distinct_configurations():
 # ------------------------------------------------------------------ trials
 def test_trials_run_round_robin_skip_the_warm_up_round_and_keep_the_fastest_median():
     cands = _candidates(3)
-    trials = online.Trials(cands, samples=2)
+    trials = Trials(cands, samples=2)
     seconds = {0: [9.0, 3.0, 3.2], 1: [9.0, 2.0, 2.4], 2: [0.1, 5.0, 5.0]}  # warm-up first
     order = []
     while (i := trials.next()) is not None:
@@ -139,10 +140,10 @@ def test_trials_run_round_robin_skip_the_warm_up_round_and_keep_the_fastest_medi
 
 def test_trials_refuse_to_decide_early_and_bad_arguments():
     with pytest.raises(ValueError, match="candidates"):
-        online.Trials(_candidates(1), 2)
+        Trials(_candidates(1), 2)
     with pytest.raises(ValueError, match="samples"):
-        online.Trials(_candidates(2), 0)
-    trials = online.Trials(_candidates(2), 1)
+        Trials(_candidates(2), 0)
+    trials = Trials(_candidates(2), 1)
     trials.next()
     with pytest.raises(RuntimeError, match="before every sample"):
         trials.decide()
@@ -159,15 +160,16 @@ def _layer_trials(rank, world):
     cfg = _config(trials=2, shortlist=3)
     torch.manual_seed(3)
     layer = MoELayer(cfg)
+    tuner = AutoTuner(layer, hardware=preset("local"))
     weights = global_weights(layer, 3)
     layer.load_global_state(weights)
     tokens = [40 + 9 * r for r in range(world)]  # uneven: rank 0's count is the model's
     xs, gys = inputs(world, tokens, M, 3)
     ry, _, rgx, rgrads = run_reference(weights, cfg, xs, gys)
     calls, ran = 0, set()
-    while layer.tuning:
+    while tuner.tuning:
         y, _, gx, grads = run_layer(layer, xs[rank], gys[rank])
-        ran.add(repr(layer._run))  # the candidate this call ran
+        ran.add(repr(layer.running))  # the candidate this call ran
         calls += 1
         close(y, ry[rank].detach(), f"output, call {calls}")
         close(gx, rgx[rank], f"input grad, call {calls}")
@@ -176,13 +178,14 @@ def _layer_trials(rank, world):
             close(grads[full], rgrads[full][layer.expert_slice()], f"{full}, call {calls}")
     # shortlist x (1 warm-up + 2 measured) calls, then the call that decides.
     assert calls == 3 * 3 + 1 and len(ran) == 3
-    chosen = layer.running()
-    assert repr(layer.resolved_config) in ran and chosen["policy"] != "auto"
+    chosen = layer.running.summary()
+    assert repr(layer.running) in ran and chosen["policy"] != "auto"
+    assert [row["chosen"] for row in tuner.report].count(True) == 1
     every = [None] * world
     dist.all_gather_object(every, chosen)
     assert all(c == chosen for c in every)  # the ranks agree
     run_layer(layer, xs[rank], gys[rank])
-    assert layer.running() == chosen  # and it stays
+    assert layer.running.summary() == chosen  # and it stays
     return True
 
 
@@ -192,7 +195,37 @@ def test_an_auto_layer_times_its_shortlist_then_every_rank_keeps_the_same_fastes
 
 def test_an_auto_layer_without_trials_runs_the_models_first_choice_at_once():
     layer = MoELayer(_config(trials=0))
-    assert layer.tuning and layer.resolved_config is None
+    tuner = AutoTuner(layer, hardware=preset("local"))
+    assert tuner.tuning and layer.running is None
     y, _ = layer(torch.randn(16, M))
-    assert y.shape == (16, M) and not layer.tuning
-    assert layer.running()["policy"] != "auto"
+    assert y.shape == (16, M) and not tuner.tuning
+    assert layer.running.summary()["policy"] != "auto"
+
+
+def test_an_auto_layer_without_a_tuner_says_how_to_attach_one():
+    layer = MoELayer(_config(trials=0))
+    with pytest.raises(RuntimeError, match="AutoTuner"):
+        layer(torch.randn(16, M))
+
+
+def test_configure_refuses_an_unresolved_or_foreign_configuration():
+    layer = MoELayer(_candidates(1)[0])
+    with pytest.raises(ValueError, match="resolved"):
+        layer.configure(_config())
+    other = dataclasses.replace(
+        _candidates(1)[0], experts=ExpertConfig(model_dim=M, hidden_dim=H + 1)
+    )
+    with pytest.raises(ValueError, match="schedule, collective and compression only"):
+        layer.configure(other)
+
+
+def test_a_search_layer_runs_only_with_a_cost_model_which_the_tuner_gives_it():
+    base = dataclasses.replace(_config(), schedule=ScheduleConfig(policy="search", chunks=2))
+    with pytest.raises(RuntimeError, match="AutoTuner"):
+        MoELayer(base)(torch.randn(16, M))
+    with pytest.raises(ValueError, match="needs a cost model"):
+        MoELayer(_candidates(1)[0]).configure(base)
+    layer = MoELayer(base)
+    AutoTuner(layer, hardware=preset("local"))
+    y, _ = layer(torch.randn(16, M))
+    assert y.shape == (16, M) and layer.running == base

@@ -21,7 +21,6 @@ TRAILS = ((3,), ())  # rows of shape [N, 3] and [N]
 KINDS = ("random", "random", "silent", "empty")
 
 
-@ALGORITHMS.register("test_user_algo")
 class UserAlgo:
     """A user's algorithm registered from outside the package (it delegates to naive)."""
 
@@ -182,7 +181,8 @@ def test_wrong_splits_length_or_negative_split_raises_value_error_naming_the_val
         assert "'net'" in errors[("pipe", "link")]
 
 
-def test_a_user_algorithm_registered_outside_the_package_is_built_by_name():
+def test_a_user_algorithm_registered_outside_the_package_is_built_by_name(plugin):
+    plugin(ALGORITHMS, "test_user_algo", UserAlgo)
     algo = build("test_user_algo", Topology(world=1, rank=0, ranks_per_node=1))
     assert isinstance(algo, UserAlgo)
     x = torch.arange(6.0).reshape(3, 2)

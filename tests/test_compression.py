@@ -225,8 +225,7 @@ def test_bad_inputs_raise_errors_that_name_them(name):
         c.decode(b, torch.float32, 17 if name != "zfp" else 40)
 
 
-def test_a_compressor_registered_by_a_user_is_built_by_name_with_its_options():
-    @COMPRESSORS.register("test-scaled-fp32", replace=True)
+def test_a_compressor_registered_by_a_user_is_built_by_name_with_its_options(plugin):
     class ScaledFP32:
         name = "test-scaled-fp32"
         lossless = True
@@ -242,6 +241,8 @@ def test_a_compressor_registered_by_a_user_is_built_by_name_with_its_options():
 
         def wire_bytes(self, rows, cols, dtype=torch.float32):
             return 4 * rows * cols
+
+    plugin(COMPRESSORS, "test-scaled-fp32", ScaledFP32)
 
     c = build("test-scaled-fp32", {"test-scaled-fp32": {"k": 2.0}, "zfp": {"rate": 4}})
     x = torch.randn(3, 5)

@@ -9,9 +9,10 @@ import random
 import pytest
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig, cli
-from schemoe.costmodel import hardware, model, prediction, profile, search, simulator, tune
+from schemoe.autotune import resolve
+from schemoe.costmodel import hardware, model, prediction, profiles, tune
 from schemoe.costmodel.hardware import Hardware, Link
-from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule
+from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule, search, simulator
 
 
 def _hw(**kw) -> Hardware:
@@ -150,21 +151,21 @@ def test_tune_picks_several_chunks_and_an_overlapping_policy_when_communication_
 
 def test_resolve_leaves_fixed_configs_alone_and_replaces_auto():
     cfg = _config()
-    assert tune.resolve(cfg, 1024, (2, 2), hardware=_hw()) is cfg
+    assert resolve(cfg, 1024, (2, 2), hardware=_hw()) == [cfg]
     auto = dataclasses.replace(cfg, schedule=ScheduleConfig(policy="auto"))
-    out = tune.resolve(auto, 1024, (2, 2), hardware=_hw())
+    (out,) = resolve(auto, 1024, (2, 2), hardware=_hw())
     assert out.schedule.policy != "auto" and out.gate == cfg.gate
 
 
 def test_profile_fits_recover_alpha_beta_and_gemm_rate_from_synthetic_timings():
     xs = [1e5, 1e6, 4e6, 1.6e7]
-    link = profile.fit_link(xs, [3e-4 + x / 2.5e9 for x in xs])
+    link = profiles.fit_link(xs, [3e-4 + x / 2.5e9 for x in xs])
     assert link.alpha == pytest.approx(3e-4) and link.beta == pytest.approx(2.5e9)
     rng = random.Random(1)
-    noisy = profile.fit_link(xs, [(3e-4 + x / 2.5e9) * rng.uniform(0.98, 1.02) for x in xs])
+    noisy = profiles.fit_link(xs, [(3e-4 + x / 2.5e9) * rng.uniform(0.98, 1.02) for x in xs])
     assert noisy.beta == pytest.approx(2.5e9, rel=0.05)
     g, f = [2, 4, 2, 4], [1e9, 2e9, 4e9, 8e9]
-    alpha, flops = profile.fit_gemm(g, f, [gi * 5e-5 + fi / 3e10 for gi, fi in zip(g, f)])
+    alpha, flops = profiles.fit_gemm(g, f, [gi * 5e-5 + fi / 3e10 for gi, fi in zip(g, f)])
     assert alpha == pytest.approx(5e-5) and flops == pytest.approx(3e10)
 
 
@@ -172,12 +173,12 @@ def test_profiles_are_cached_by_topology_and_link_rate(tmp_path):
     path = str(tmp_path / "p.json")
     a = _hw(name="a", link_rate_bps=4e8)
     b = _hw(name="b", nodes=4, link_rate_bps=1e9)
-    assert profile.save(a, path) == "2x2@4e+08"
-    profile.save(b, path)
-    assert profile.load(2, 2, path=path) == a
-    assert profile.load(4, 2, rate_bps=1e9, path=path) == b
-    assert profile.load(2, 2, rate_bps=1e9, path=path) is None
-    assert profile.load(8, 8, path=path) is None
+    assert profiles.save(a, path) == "2x2@4e+08"
+    profiles.save(b, path)
+    assert profiles.load(2, 2, path=path) == a
+    assert profiles.load(4, 2, rate_bps=1e9, path=path) == b
+    assert profiles.load(2, 2, rate_bps=1e9, path=path) is None
+    assert profiles.load(8, 8, path=path) is None
 
 
 def test_presets_describe_the_paper_cluster_and_an_h100_pod_and_round_trip_json():
@@ -212,7 +213,7 @@ def test_simulate_command_ends_with_the_json_contract(capsys, tmp_path):
 
 
 def test_simulate_systems_and_ablation_ladder_on_the_paper_cluster(capsys):
-    # The paper's ablation layer (PAPER.md): each ScheMoE part takes time off the step.
+    # The paper's ablation layer (the ScheMoE paper): each ScheMoE part takes time off the step.
     argv = "simulate --preset paper-32gpu --tokens 16384 --model-dim 8192 --hidden 8192"
     argv += " --top-k 1 --capacity-factor 1.2 --budget lossy --max-chunks 2 --systems --ablation"
     assert cli.main(argv.split()) == 0
@@ -259,7 +260,7 @@ def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
     path = str(tmp_path / "prof.json")
     argv = "profile --nproc 2 --ranks-per-node 1 --quick --model-dim 64 --hidden 128 --path"
     assert cli.main([*argv.split(), path]) == 0
-    hw = profile.load(2, 1, path=path)
+    hw = profiles.load(2, 1, path=path)
     assert hw is not None and hw.flops > 0 and hw.inter.beta > 0 and "fp16" in hw.codecs
     shape = model.LayerShape(tokens=256, model_dim=64, hidden_dim=128, experts=2)
     assert prediction.predict(hw, shape, "schemoe", chunks=2).step_s > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import torch
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig, trace
@@ -26,7 +27,6 @@ class _SlowPending:
         return self.inner.wait()
 
 
-@ALGORITHMS.register("test_slow_link", replace=True)
 class SlowLink(Naive):
     """naive over a FIFO link that needs DELAY seconds per transfer."""
 
@@ -60,6 +60,11 @@ def _events(policy: str, r: int):
         y, aux = layer(x)
         (y.sum() + aux).backward()
     return {(e.direction, e.task): e for e in tl.events}, tl
+
+
+@pytest.fixture(autouse=True)
+def slow_link(plugin):
+    plugin(ALGORITHMS, "test_slow_link", SlowLink)
 
 
 def test_expert_of_chunk_i_runs_while_the_transfer_of_chunk_i_plus_1_is_pending():

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import registered
 
 from moe_cases import check_against_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig
 from schemoe._dist import spawn
-from schemoe.scheduling import POLICIES, Schedule, Task, TaskGraph, make_schedule, register_policy
+from schemoe.scheduling import (
+    POLICIES,
+    Policy,
+    Schedule,
+    Task,
+    TaskGraph,
+    fifo_links,
+    make_schedule,
+    walk,
+)
 
 E, M, H = 8, 12, 20
 CAPACITY_POLICIES = ("sequential", "tutel", "schemoe")
@@ -63,8 +73,9 @@ def test_a_schedule_that_would_deadlock_is_rejected_naming_the_task():
     bad = Schedule.parse(
         "compute: C1.0 D1.1 C1.1 D1.0 E.0 C2.0 E.1 C2.1 D2.0 D2.1\nnet: A1.0 A1.1 A2.0 A2.1"
     )
-    with pytest.raises(ValueError, match="D1.1 needs"):
+    with pytest.raises(ValueError, match="D1.1 needs") as e:
         bad.check(g)
+    assert "compute: C1.0 >>D1.1<< C1.1" in str(e.value)  # the schedule, failing step marked
     with pytest.raises(ValueError, match="missing"):
         Schedule.parse("compute: C1.0\nnet: A1.0").check(g)
 
@@ -83,17 +94,14 @@ def _reversed_policy(graph, costs=None):
     for i in reversed(range(r)):
         comp += [Task("D", 1, i), Task("E", 0, i), Task("C", 2, i)]
     comp += [Task("D", 2, i) for i in range(r)]
-    from schemoe.scheduling import fifo_links
-
     return fifo_links(graph, comp)
-
-
-register_policy("test_reversed", replace=True)(_reversed_policy)
 
 
 def _user_policy(rank, world):
     tokens = [21 + 3 * r for r in range(world)]
-    check_against_reference(cfg("test_reversed", 3), tokens, seed=11)
+    policy = Policy("test_reversed", _reversed_policy)
+    with registered(POLICIES, "test_reversed", policy):  # in this rank's process only
+        check_against_reference(cfg("test_reversed", 3), tokens, seed=11)
     return True
 
 
@@ -101,12 +109,50 @@ def test_a_user_registered_policy_runs_forward_and_backward():
     assert all(spawn(_user_policy, 2, timeout=120))
 
 
-def _auto_and_search(rank, world):
+def _tuned(rank, world, policy):
     tokens = [40 + 9 * r for r in range(world)]  # uneven: rank 0's count decides for all
-    for policy in ("auto", "search"):
-        check_against_reference(cfg(policy, 2), tokens, seed=13)
+    check_against_reference(cfg(policy, 2), tokens, seed=13)
     return True
 
 
-def test_auto_and_search_layers_agree_across_ranks_and_match_the_reference():
-    assert all(spawn(_auto_and_search, 2, timeout=180))
+@pytest.mark.parametrize("policy", ["auto", "search"])
+def test_tuned_layers_agree_across_ranks_and_match_the_reference(policy):
+    assert all(spawn(_tuned, 2, policy, timeout=180))
+
+
+def test_a_policy_registered_for_a_test_is_gone_after_it():
+    policy = Policy("test_gone", _reversed_policy)
+    with registered(POLICIES, "test_gone", policy):
+        assert POLICIES.get("test_gone") is policy
+    assert "test_gone" not in POLICIES
+    with pytest.raises(ValueError, match="not registered"):
+        POLICIES.unregister("test_gone")
+
+
+def test_walk_posts_each_transfer_once_its_input_exists_and_its_link_turn_has_come():
+    g = TaskGraph(2)
+    sched = make_schedule("schemoe", g)
+    steps = [([str(a) for a in issued], str(t) if t else None) for issued, t in walk(sched, g)]
+    assert steps == [
+        ([], "C1.0"),
+        (["A1.0"], "C1.1"),
+        (["A1.1"], "D1.0"),
+        ([], "E.0"),
+        ([], "C2.0"),
+        (["A2.0"], "D1.1"),
+        ([], "E.1"),
+        ([], "C2.1"),
+        (["A2.1"], "D2.0"),
+        ([], "D2.1"),
+        ([], None),
+    ]
+
+
+def test_walk_keeps_fifo_order_per_link_even_when_a_later_input_is_ready_first():
+    g = TaskGraph(2)
+    # net's queue puts A1.1 first: A1.0 may not go before it although its input exists earlier.
+    text = "compute: C1.0 C1.1 D1.0 E.0 C2.0 D1.1 E.1 C2.1 D2.0 D2.1\n"
+    text += "net: A1.1 A1.0 A2.0 A2.1"
+    sched = Schedule.parse(text)
+    issued = [[str(a) for a in i] for i, _ in walk(sched, g)]
+    assert issued[:3] == [[], [], ["A1.1", "A1.0"]]

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from schemoe.costmodel import simulator
-from schemoe.costmodel.model import TaskCosts
-from schemoe.scheduling import COMPUTE, TaskGraph, execute, make_schedule
+from schemoe.scheduling import COMPUTE, TaskGraph, execute, make_schedule, simulator
+from schemoe.scheduling.simulator import TaskCosts
 from schemoe.trace import gantt
 
 POLICIES = ("sequential", "tutel", "schemoe", "fastermoe", "search")

@@ -19,10 +19,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 
 import torch
 import torch.distributed as dist
 
+from .. import config as c
+from .. import trace
+from ..autotune import TUNED, AutoTuner
+from ..collectives import ALGORITHMS
+from ..compression import COMPRESSORS
+from ..costmodel.prediction import predict_ms
+from ..gating.router import capacity
+from ..layer import MoELayer
+from ..layout import Partition
+from ..scheduling import POLICIES
 from . import timer
 
 __all__ = ["add_arguments", "bench", "validate"]
@@ -64,10 +75,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from ..collectives import ALGORITHMS
-    from ..compression import COMPRESSORS
-    from ..scheduling.policies import POLICIES
-
     for name in args.policies:
         if name != "auto":
             POLICIES.get(name)
@@ -87,8 +94,6 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp="none", r=1):
-    from .. import config as c
-
     fwd, _, bwd = comp.partition("/")
     return c.MoEConfig(
         gate=c.GateConfig(
@@ -140,8 +145,6 @@ def _step(module, x, g):
 
 def _comm_only(layer, args, world: int, dtype: torch.dtype):
     """The step's all-to-alls alone, with the shapes and algorithm the layer uses."""
-    from ..gating.router import capacity
-
     gate = layer.config.gate
     rows = (
         gate.num_experts * capacity(gate, args.tokens)
@@ -163,10 +166,6 @@ def _comm_only(layer, args, world: int, dtype: torch.dtype):
 
 def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
     """One traced forward+backward step per candidate (collective: every rank takes part)."""
-    import os
-
-    from .. import trace
-
     os.makedirs(folder, exist_ok=True)
     for name, layer in layers.items():
         step = _step(layer, x, g)
@@ -178,9 +177,6 @@ def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def bench(args: argparse.Namespace, env) -> None:
-    from ..layer import MoELayer
-    from ..scheduling.policies import POLICIES
-
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(1234 + rank)
@@ -191,7 +187,7 @@ def bench(args: argparse.Namespace, env) -> None:
     if "auto" in args.policies:  # one row: the cost model picks algorithm, compressor and r
         combos = [c for c in combos if c[0] != "auto"] + [("auto", "naive", "none", 1)]
     for pol, algo, comp, r in combos:
-        if pol != "auto" and POLICIES.get(pol).partition == "peers" and r > world:
+        if pol != "auto" and POLICIES.get(pol).partition == Partition.PEERS and r > world:
             continue  # the peers partition has at most P chunks
         layer = MoELayer(_config(args, world, env.ranks_per_node, pol, algo, comp, r)).to(dtype)
         if not cands:
@@ -209,8 +205,14 @@ def bench(args: argparse.Namespace, env) -> None:
     single = MoELayer(_config(args, 1, 1, algo=first.config.collective.algorithm), group=solo)
     cands["parts:compute"] = _step(single.to(dtype), x, g)
     cands["parts:comm"] = _comm_only(first, args, world, dtype)
-    for name, layer in layers.items():
-        while layer.tuning:  # policy "auto": its trials run first (same calls on every rank)
+    tuners = {
+        name: AutoTuner(layer, profile_path=args.profile)
+        for name, layer in layers.items()
+        if layer.config.schedule.policy in TUNED
+    }
+    for name, tuner in tuners.items():
+        cands[name]()  # policy "search" decides on its first call
+        while tuner.tuning:  # policy "auto": its trials run first (same calls on every rank)
             cands[name]()
     stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
     if args.trace:
@@ -220,16 +222,14 @@ def bench(args: argparse.Namespace, env) -> None:
         name = row.pop("_n")
         row.update(stats[name].row())
         if row["policy"] == "auto":  # what it chose
-            run = layers[name].running()
+            run = layers[name].running.summary()
             row.update(policy=f"auto:{run['policy']}", algorithm=run["algorithm"],
                        compressor=run["compression"], chunks=run["chunks"])  # fmt: skip
         if args.predict and name in layers:
-            from ..costmodel.prediction import predict_ms
-
             rate = env.testbed.rate_bps if env.testbed else None
             shape = (world // env.ranks_per_node, env.ranks_per_node)
             row["predicted_ms"] = predict_ms(
-                layers[name].resolved_config, args.tokens, shape, rate_bps=rate, path=args.profile
+                layers[name].running, args.tokens, shape, rate_bps=rate, path=args.profile
             )
     compute, comm = stats["parts:compute"].median_ms, stats["parts:comm"].median_ms
     parts = [{"policy": "parts", "algorithm": "compute only", "compressor": "-", "chunks": "-",
@@ -240,7 +240,7 @@ def bench(args: argparse.Namespace, env) -> None:
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
-    trials = [row for layer in layers.values() for row in layer.trial_report]
+    trials = [row for tuner in tuners.values() for row in tuner.report]
     head += [f"# auto trial: {t}" for t in trials]
     summary = {
         "results": rows,

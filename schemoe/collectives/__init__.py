@@ -1,5 +1,6 @@
 """All-to-all algorithms: a registry of plug-ins (see base.py for the protocol)."""
 
+from ..topology import Topology, per_world
 from .base import ALGORITHMS, AllToAll, Done, Pending, check_splits
 from .hier2d import Hier2D
 from .leader import Leader
@@ -21,12 +22,11 @@ __all__ = [
     "check_splits",
 ]
 
-_BUILT: dict = {}
 
-
-def build(name: str, topology) -> AllToAll:
-    """The algorithm `name` for `topology`, constructed once and cached (it may create groups)."""
-    key = (name, topology, id(topology.group))  # Topology equality ignores the group
-    if key not in _BUILT:
-        _BUILT[key] = ALGORITHMS.get(name)(topology)
-    return _BUILT[key]
+def build(name: str, topology: Topology) -> AllToAll:
+    """The algorithm `name` for `topology`, constructed once per process-group initialisation
+    and shared by every layer on that group (it may create sub-groups and a comm thread, and
+    the layers' transfers must share its one ordering)."""
+    cls = ALGORITHMS.get(name)
+    # Topology equality ignores the group: the group object is part of the key.
+    return per_world(("algorithm", name, cls, topology, topology.group), lambda: cls(topology))

@@ -1,22 +1,20 @@
-"""Cost model, simulator and tuner: predict a layer's step from a cluster's constants, find the
-best task order (`search` policy) and configuration (`tune.choose`), and plan at scale.
+"""The cost model (planning): predict a layer's step from a cluster's constants, and choose a
+configuration by simulation. Pure functions and data; nothing here measures or runs a layer.
 
-    hardware   Hardware records: fitted (`schemoe profile`) or presets (paper-32gpu, h100-64gpu)
-    model      per-task cost functions and CostModel (a layer on a cluster -> task durations)
-    simulator  run(schedule, graph, costs) -> (makespan, trace events), the executor's rules
-    search     the "search" policy (registered on import)
-    prediction predict, predict_config: one configuration's simulated step
-    tune       explore, shortlist, choose, resolve (ScheduleConfig(policy="auto"))
-    online     Trials: "auto"'s first calls time the model's shortlist and keep the fastest
-    profile    fit and cache the constants on the running ranks (calibrate: on real layer steps)
+    hardware    Hardware records: fitted (`schemoe profile`) or presets (presets/*.json)
+    model       per-task cost functions and CostModel (a layer on a cluster -> task durations)
+    prediction  predict, predict_config: one configuration's simulated step
+    tune        explore, shortlist, choose: the fastest configurations by simulation
+    profiles    the fits of measured samples, and the JSON store of records by topology
+
+The simulator and the `search` policy that consume a CostModel are `schemoe.scheduling`'s;
+measuring is `schemoe.profiler`'s; deciding for running layers is `schemoe.autotune`'s.
 """
 
-from . import search
 from .hardware import PRESETS, Hardware, Link, preset
-from .model import A2A_MODELS, CostModel, LayerShape, TaskCosts
+from .model import A2A_MODELS, CostModel, LayerShape
 from .prediction import predict, predict_config
-from .simulator import run
-from .tune import choose, explore, resolve
+from .tune import choose, choose_shortlist, explore
 
 __all__ = [
     "A2A_MODELS",
@@ -25,13 +23,10 @@ __all__ = [
     "Hardware",
     "LayerShape",
     "Link",
-    "TaskCosts",
     "choose",
+    "choose_shortlist",
     "explore",
     "predict",
     "predict_config",
     "preset",
-    "resolve",
-    "run",
-    "search",
 ]

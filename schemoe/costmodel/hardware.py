@@ -26,7 +26,7 @@ and FLOP:
     comm_cpu     the share of a core a CPU rank keeps busy while it communicates, waiting or
                  overlapped with its own compute (gloo's threads, the kernel's TCP stack)
 
-Presets (`PRESETS`, `preset(name)`):
+Presets (`PRESETS`, `preset(name)`; data files in presets/, derivations in presets/README.md):
 
     local        this machine: 2 emulated nodes x 2 CPU ranks on loopback over gloo (a profile of
                  the 2-core dev box; run `schemoe profile` for your own)
@@ -40,6 +40,7 @@ import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 
 __all__ = ["PRESETS", "Hardware", "Link", "preset"]
 
@@ -186,92 +187,18 @@ class Hardware:
         return json.dumps(self.to_json(), indent=1, sort_keys=True)
 
 
-def _gpu_codecs(mem: float, zfp_enc: float, zfp_dec: float) -> dict[str, tuple[float, float]]:
-    """Elementwise codecs on a GPU are memory-bound: an fp32 -> 16-bit cast reads 4 and writes 2
-    bytes per value (1.5 bytes of traffic per input byte); fp8/int8 read 4, write 1, plus a row
-    max pass (2.25). ZFP's rates are assumptions (cuZFP-class fixed-rate kernels)."""
-    cast, block = 1.5 / mem, 2.25 / mem
-    return {
-        "fp16": (cast, cast),
-        "bf16": (cast, cast),
-        "fp8": (block, cast),
-        "int8": (block, cast),
-        "zfp": (1 / zfp_enc, 1 / zfp_dec),
-    }
+def _load_presets() -> dict[str, Hardware]:
+    """The presets shipped as data: one JSON record per file in presets/ (their derivations are
+    in presets/README.md)."""
+    out = {}
+    for f in sorted(resources.files(__package__).joinpath("presets").iterdir()):
+        if f.name.endswith(".json"):
+            hw = Hardware.from_json(json.loads(f.read_text()))
+            out[hw.name] = hw
+    return out
 
 
-# The paper's cluster. PipeMoE (INFOCOM'23) fitted on it: a 32-GPU NCCL all-to-all takes
-# 2.09e-4 s + 3.55e-10 s/B x S (S bytes of input per rank), and a GEMM 1.5e-4 s + 3.73e-14 s per
-# m*n*k*4, i.e. 2 FLOP per 4 x 3.73e-14 s = 13.4 TFLOP/s (the 2080Ti's fp32 peak). NCCL runs a
-# plain all-to-all's pairs as one group (t = t_intra + t_inter, PAPER.md section 2); with P = 32,
-# M = 4 a rank sends 3S/32 over PCIe and its node 3.5S over the NIC, so with PCIe 3.0 at 8 GB/s
-# per GPU the fit's 3.55e-10 s/B leaves 3.5 / (3.55e-10 - 3/32/8e9) = 10.2 GB/s for the NIC
-# (82% of 100 Gb/s). The fit's alpha is split 3e-5 (PCIe) + 1.79e-4 (IB).
-PAPER_32GPU = Hardware(
-    name="paper-32gpu",
-    nodes=8,
-    ranks_per_node=4,
-    intra=Link(alpha=3.0e-5, beta=8.0e9),
-    inter=Link(alpha=1.79e-4, beta=10.2e9),
-    flops=1.0 / (4 * 3.73e-14) * 2,
-    gemm_alpha=1.5e-4,
-    memory=5.0e11,
-    codecs=_gpu_codecs(5.0e11, 1.0e11, 1.5e11),
-    task_overhead=2.0e-5,
-    step_overhead=1.0e-3,
-    backend="nccl",
-    link_rate_bps=100e9,
-    notes="PipeMoE constants (PAPER.md); PCIe 3.0 8 GB/s per GPU; memory 500 GB/s (616 peak)",
-)
-
-# 8 x 8 H100 SXM: NVLink 4 moves ~450 GB/s per GPU each way; one 400 Gb/s NDR NIC per GPU, so a
-# node's network link carries 8 x 50 GB/s (~45 GB/s achieved each); bf16 GEMMs at ~700 TFLOP/s
-# achieved (989 dense peak); HBM3 at ~3 TB/s achieved (3.35 peak).
-H100_64GPU = Hardware(
-    name="h100-64gpu",
-    nodes=8,
-    ranks_per_node=8,
-    intra=Link(alpha=1.0e-5, beta=450e9),
-    inter=Link(alpha=2.0e-5, beta=8 * 45e9),
-    flops=700e12,
-    gemm_alpha=1.0e-5,
-    memory=3.0e12,
-    codecs=_gpu_codecs(3.0e12, 6.0e11, 8.0e11),
-    task_overhead=1.0e-5,
-    step_overhead=3.0e-4,
-    backend="nccl",
-    link_rate_bps=8 * 400e9,
-    notes="NVLink 450 GB/s/GPU, 8 x 400 Gb/s IB per node, bf16 700 TFLOP/s, HBM 3 TB/s",
-)
-
-# This box: 2 emulated nodes x 2 CPU ranks on plain loopback (no shaping), all four ranks on the
-# 2-core dev machine, gloo: `schemoe profile --nproc 4 --ranks-per-node 2` (rounded; 11 s). A
-# starting point only: CPU numbers move with the machine's load, so profile your own.
-LOCAL = Hardware(
-    name="local",
-    nodes=2,
-    ranks_per_node=2,
-    intra=Link(alpha=2.5e-3, beta=0.87e9),
-    inter=Link(alpha=1.6e-3, beta=1.8e9),
-    flops=7.4e10,
-    gemm_alpha=2.7e-4,
-    memory=2.4e9,
-    codecs={
-        "fp16": (8.8e-10, 1.1e-10),
-        "bf16": (1.3e-10, 1.6e-10),
-        "fp8": (9.3e-10, 2.0e-9),
-        "int8": (1.9e-9, 8.1e-10),
-        "zfp": (1.1e-8, 9.9e-9),
-    },
-    task_overhead=0.0,
-    step_overhead=3.4e-3,
-    backend="gloo",
-    host_ranks=4,
-    host_cores=2,
-    notes="loopback, 4 CPU ranks on 2 cores (gloo); profile your own machine",
-)
-
-PRESETS: dict[str, Hardware] = {h.name: h for h in (LOCAL, PAPER_32GPU, H100_64GPU)}
+PRESETS: dict[str, Hardware] = _load_presets()
 
 
 def preset(name: str) -> Hardware:

@@ -1,6 +1,6 @@
 """Per-task cost functions: pure functions of a `Hardware` record and a layer shape.
 
-Legend: P ranks, M ranks per node (PAPER.md's M; `model_dim` is the model width), N = P / M
+Legend: P ranks, M ranks per node (the ScheMoE paper's M; `model_dim` is the model width), N = P / M
 nodes, S bytes a rank sends in one all-to-all, E experts, El = E / P, C capacity rows per expert
 per rank, D model dim, H hidden dim, b bytes per element.
 
@@ -21,7 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..scheduling.tasks import Task, TaskGraph
+import torch
+
+from .. import compression
+from ..layout import Partition
+from ..scheduling import Direction, Task, TaskCosts, TaskGraph
 from .hardware import Hardware
 
 __all__ = [
@@ -56,8 +60,8 @@ def a2a_naive(hw: Hardware, sends: Sequence[float]) -> float:
 
     NCCL runs the P pairs as one group on one stream, so intra and inter pairs share its time
     (ScheMoE section 2): t = t_intra + t_inter. gloo posts every pair on its own socket at once,
-    so the node's loopback and NIC move bytes together: t = max(t_intra, t_inter) (measured on
-    the testbed: a plain all-to-all takes what its inter-node part alone takes). With
+    so the node's loopback and NIC move bytes together: t = max(t_intra, t_inter) (on the
+    testbed a plain all-to-all takes what its inter-node part alone takes: docs/costmodel.md). With
     t_intra = intra.alpha + max_l B_l / intra.beta and t_inter = inter.alpha + B_nic / inter.beta.
     """
     intra, nic = split_bytes(sends, hw.ranks_per_node)
@@ -229,15 +233,6 @@ class LayerShape:
         )
 
 
-@dataclass(frozen=True)
-class TaskCosts:
-    """Seconds per task of one graph, and the executor's cost per task (on the compute thread,
-    for compute tasks and for posting each transfer)."""
-
-    durations: Mapping[Task, float]
-    overhead: float = 0.0
-
-
 def _part(n: int, i: int, r: int) -> int:
     return n * (i + 1) // r - n * i // r
 
@@ -298,7 +293,7 @@ class CostModel:
         El, C, D, b = sh.experts // P, sh.capacity, sh.model_dim, sh.dtype_bytes
         if tuple(graph.links) != self.links:
             raise ValueError(f"graph links {graph.links} are not {self.algorithm}'s {self.links}")
-        backward = graph.direction == "backward"
+        backward = graph.direction == Direction.BACKWARD
         comp = self.compressors[1 if backward else 0]
         ratio = self._ratio(comp)
         a2a = A2A_MODELS[self.algorithm][1]
@@ -306,7 +301,7 @@ class CostModel:
         weights = El * D * sh.hidden_dim * (3 if sh.activation == "swiglu" else 2) * b
         out: dict[Task, float] = {}
         for i in range(r):
-            if graph.partition == "peers":
+            if graph.partition == Partition.PEERS:
                 lo, hi = P * i // r, P * (i + 1) // r
                 pair = [El * C * D * b if lo <= o < hi else 0.0 for o in range(P)]
                 gathered = True
@@ -350,10 +345,6 @@ class CostModel:
 def wire_ratio(name: str, model_dim: int, dtype_bytes: int = 4) -> float:
     """Wire bytes over raw bytes of compressor `name` for rows of `model_dim` values, from the
     plug-in's own `wire_bytes` (default options)."""
-    import torch
-
-    from .. import compression
-
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(dtype_bytes, torch.float32)
     comp = compression.build(name)
     return comp.wire_bytes(64, model_dim, dtype) / (64 * model_dim * dtype_bytes)

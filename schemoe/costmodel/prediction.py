@@ -2,7 +2,7 @@
 
     predict(hw, shape, "schemoe", "pipe", ("fp16", "fp16"), chunks=4) -> Prediction
     predict_config(moe_config, tokens_per_rank, hw) -> Prediction
-    predict_ms(moe_config, tokens_per_rank, topology) -> ms on the cached profile, or None
+    predict_ms(moe_config, tokens_per_rank, topology, path=...) -> ms on a stored profile, or None
 
 A layer step (forward + backward, what `schemoe bench layer` times) is predicted as
 
@@ -18,10 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import MoEConfig
-from ..scheduling.policies import POLICIES, make_schedule
-from ..scheduling.tasks import TaskGraph
-from . import search as _search  # noqa: F401  (registers the "search" policy)
-from . import simulator
+from ..scheduling import POLICIES, Direction, TaskGraph, make_schedule, simulator
+from . import profiles
 from .hardware import Hardware
 from .model import A2A_MODELS, CostModel, LayerShape, sharing_scale
 
@@ -85,7 +83,7 @@ def predict(
         cm = CostModel(hw, shape, algorithm, compressors, compute_scale=scale * hw.compute_factor)
         out, busy, comm, t0 = {}, cm.outside(), 0.0, 0.0
         evs: list = []
-        for direction in ("forward", "backward"):
+        for direction in Direction:
             graph = TaskGraph(chunks, cm.links, direction, partition)
             sched = make_schedule(policy, graph, cm)
             span, ev = simulator.run(sched, graph, cm, origin=t0, record=events is not None)
@@ -137,10 +135,8 @@ def predict_ms(
     """Predicted step (forward + backward) of `config` in ms on `hardware`, else on the cached
     profile of `topology` (and link rate); None when there is no profile or no model for the
     algorithm. What `schemoe bench layer --predict` reports as `predicted_ms`."""
-    from . import profile
-
     nodes, rpn = topology_of(topology)
-    hw = hardware or profile.load(nodes, rpn, rate_bps, path=path)
+    hw = hardware or profiles.load(nodes, rpn, rate_bps, path=path)
     if hw is None or config.collective.algorithm not in A2A_MODELS:
         return None
     return predict_config(config, tokens, hw.with_topology(nodes, rpn), dtype_bytes).step_s * 1e3

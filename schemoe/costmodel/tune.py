@@ -1,8 +1,7 @@
 """Auto-tuning: choose policy, r, algorithm and compressor by simulation (prediction.py).
 
     choose(moe_config, tokens_per_rank, topology, hw, accuracy_budget="lossless") -> MoEConfig
-    choose(..., n=4) -> [MoEConfig]     # the shortlist a measured trial settles (online.py)
-    resolve(config, tokens, topology)   # what MoELayer calls for ScheduleConfig(policy="auto")
+    choose_shortlist(..., n=4) -> [MoEConfig]   # what a measured trial settles (autotune.py)
 
 `choose` predicts every candidate (`prediction.predict`): policies sequential, tutel, fastermoe
 and schemoe x r in AUTO_CHUNKS = 1, 2, 4, 8 (fastermoe: r <= P) x every registered algorithm
@@ -15,8 +14,9 @@ allows (same one forward and backward):
 
 then re-simulates each r's best with the `search` policy, and returns the fastest as a
 MoEConfig, or the `shortlist` of the n most promising that differ in partition or r. Decisions
-are cached per (layer shape, tokens, topology, hardware, budget) and logged
-on the "schemoe.costmodel" logger.
+are cached per (layer shape, tokens, topology, hardware, budget) and logged on the
+"schemoe.costmodel" logger. Deciding for a running layer (profiles, rank 0's decision broadcast,
+trials) is `schemoe.autotune`'s.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from ..collectives import ALGORITHMS
+from ..compression import COMPRESSORS
 from ..config import CollectiveConfig, CompressionConfig, MoEConfig, ScheduleConfig
-from ..scheduling.policies import POLICIES
+from ..layout import Partition
+from ..scheduling import POLICIES
 from .hardware import Hardware
-from .model import A2A_MODELS, CostModel, LayerShape, wire_ratio
+from .model import A2A_MODELS, LayerShape, wire_ratio
 from .prediction import Prediction, predict, topology_of
 
 __all__ = [
@@ -36,9 +39,8 @@ __all__ = [
     "BUDGETS",
     "candidates",
     "choose",
-    "cost_model_for",
+    "choose_shortlist",
     "explore",
-    "resolve",
     "shortlist",
 ]
 
@@ -50,8 +52,6 @@ _DECISIONS: dict[tuple, MoEConfig] = {}
 
 
 def _compressors(hw: Hardware, shape: LayerShape, budget: str) -> list[str]:
-    from ..compression import COMPRESSORS
-
     if budget not in BUDGETS:
         raise ValueError(f"accuracy_budget must be one of {BUDGETS}, got {budget!r}")
     names = []
@@ -82,15 +82,13 @@ def candidates(
 ) -> list[tuple]:
     """(policy, algorithm, (fwd, bwd), r) tuples to simulate, r in `chunk_grid` (default every
     r in 1..max_chunks), every registered algorithm with a cost model but those in `skip`."""
-    from ..collectives import ALGORITHMS
-
     algos = [a for a in ALGORITHMS.names() if a in A2A_MODELS and a not in skip]
     skipped = sorted(set(ALGORITHMS.names()) - set(algos))
     if skipped:
         log.info("tune: no cost model for algorithms %s; not considered", skipped)
     out = []
     for pol in policies:
-        peers = POLICIES.get(pol).partition == "peers"
+        peers = POLICIES.get(pol).partition == Partition.PEERS
         for r in chunk_grid or range(1, max_chunks + 1):
             if peers and r > hw.world:
                 continue
@@ -117,7 +115,7 @@ def explore(
     if refine:
         best_per_r: dict[int, Prediction] = {}
         for p in preds:
-            if POLICIES.get(p.policy).partition == "capacity":
+            if POLICIES.get(p.policy).partition == Partition.CAPACITY:
                 best_per_r.setdefault(p.chunks, p)
         preds += [
             predict(hw, shape, "search", p.algorithm, p.compressors, r)
@@ -129,15 +127,15 @@ def explore(
 
 AUTO_CHUNKS = (1, 2, 4, 8)
 # Algorithms auto leaves out. pairwise is the serialising baseline: P - 1 blocking steps of one
-# flow per pair, which a profile fitted with every flow in flight cannot price (on the testbed it
-# was predicted 35-45% too fast and measured slower than naive at every size).
+# flow per pair, which a profile fitted with every flow in flight cannot price (docs/costmodel.md:
+# predicted far too fast, and measured slower than naive).
 AUTO_SKIPS = ("pairwise",)
 
 
 # Near-ties (within TIE) inside one (partition, r) go to the policy earlier here: ScheMoE's order
 # is the optimal one (Theorem 1) and Tutel's a fixed special case, so where the model prices them
-# the same (link-bound steps) the real schemoe is the safer pick; measured on the testbed it was
-# faster than tutel at the same algorithm and r in 33 of 48 pairs (median 0.983x).
+# the same (link-bound steps) the real schemoe is the safer pick (docs/costmodel.md has the
+# measured pairs).
 PREFERENCE = ("schemoe", "tutel", "fastermoe", "sequential")
 TIE = 1.005
 
@@ -187,12 +185,23 @@ def choose(
     topology,
     costs: Hardware,
     accuracy_budget: str = "lossless",
-    n: int = 1,
-) -> MoEConfig | list[MoEConfig]:
+) -> MoEConfig:
     """The fastest simulated configuration of `moe_config`'s layer (gate and expert settings
     kept) on `costs` with `topology` ((nodes, ranks_per_node) or a Topology), within the budget,
-    over r in AUTO_CHUNKS. With n > 1, the `shortlist` of up to n configurations (a list,
-    fastest predicted first). Cached per layer shape; each decision is logged."""
+    over r in AUTO_CHUNKS."""
+    return choose_shortlist(moe_config, tokens_per_rank, topology, costs, accuracy_budget, 1)[0]
+
+
+def choose_shortlist(
+    moe_config: MoEConfig,
+    tokens_per_rank: int,
+    topology,
+    costs: Hardware,
+    accuracy_budget: str = "lossless",
+    n: int = 4,
+) -> list[MoEConfig]:
+    """The `shortlist` of up to n configurations (fastest predicted first) for `choose`'s
+    question; what a measured trial settles. Cached per layer shape; each decision is logged."""
     nodes, rpn = topology_of(topology)
     hw = costs.with_topology(nodes, rpn)
     shape = LayerShape.of(moe_config, tokens_per_rank)
@@ -214,91 +223,4 @@ def choose(
             len(preds),
         )
         _DECISIONS[key] = [_as_config(moe_config, p) for p in picks]
-    out = _DECISIONS[key]
-    return out[0] if n == 1 else list(out)
-
-
-def _from_rank0(make, topology):
-    """make() on rank 0 of `topology.group`, broadcast to every rank (collective when
-    distributed with several ranks; otherwise just make())."""
-    import torch.distributed as dist
-
-    nodes, rpn = topology_of(topology)
-    group = getattr(topology, "group", None)
-    if not (dist.is_available() and dist.is_initialized() and nodes * rpn > 1):
-        return make()
-    box = [make() if dist.get_rank(group) == 0 else None]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def resolve(
-    config: MoEConfig,
-    tokens: int,
-    topology,
-    hardware: Hardware | None = None,
-    profile_path: str | None = None,
-    n: int = 1,
-) -> MoEConfig | list[MoEConfig]:
-    """`config` itself unless its policy is "auto"; else `choose` (with n > 1: its shortlist, a
-    list) on the cached profile of this topology (`schemoe profile`), or the `local` preset when
-    there is none (logged).
-
-    Collective when torch.distributed is initialised and the group has several ranks: rank 0 of
-    `topology.group` decides and broadcasts, so every rank runs the same configuration even if
-    their profile caches differ. Call it on every rank with the same `tokens`.
-    The budget is `config.schedule.accuracy_budget`.
-    """
-    if config.schedule.policy != "auto":
-        return config if n == 1 else [config]
-    from . import profile
-    from .hardware import preset
-
-    budget = config.schedule.accuracy_budget
-    nodes, rpn = topology_of(topology)
-
-    def decide():
-        hw = hardware or profile.load(nodes, rpn, path=profile_path)
-        if hw is None:
-            log.info("tune: no cached profile for %dx%d; using the 'local' preset", nodes, rpn)
-            hw = preset("local")
-        return choose(config, tokens, (nodes, rpn), hw, budget, n)
-
-    return _from_rank0(decide, topology)
-
-
-_COST_MODELS: dict[tuple, CostModel | None] = {}
-
-
-def cost_model_for(
-    config: MoEConfig,
-    tokens: int,
-    topology,
-    hardware: Hardware | None = None,
-    path: str | None = None,
-    dtype_bytes: int = 4,
-) -> CostModel | None:
-    """The CostModel of this layer call for policies (`make_schedule(policy, graph, costs)`):
-    on `hardware`, else the cached profile of the topology; None when there is neither. The
-    same object comes back for the same arguments, so callers may key caches by its id().
-
-    Collective on first use of a (config, tokens) when distributed: rank 0's profile is
-    broadcast, so every rank's `search` sees the same costs and builds the same schedule (the
-    schedules must match: transfers are collectives). Ranks must pass the same `tokens`."""
-    from . import profile
-
-    nodes, rpn = topology_of(topology)
-    key = (repr(config), tokens, nodes, rpn, id(hardware), path, dtype_bytes)
-    if key not in _COST_MODELS:
-        hw = _from_rank0(lambda: hardware or profile.load(nodes, rpn, path=path), topology)
-        cm = None
-        if hw is not None and config.collective.algorithm in A2A_MODELS:
-            cm = CostModel(
-                hw.with_topology(nodes, rpn),
-                LayerShape.of(config, tokens, dtype_bytes),
-                config.collective.algorithm,
-                (config.compression.forward, config.compression.backward),
-            )
-        _COST_MODELS[key] = cm
-    return _COST_MODELS[key]
+    return list(_DECISIONS[key])

@@ -1,21 +1,39 @@
-"""Task scheduling: tasks and schedules as data, policies, the executor, scheduled backward."""
+"""Task scheduling: tasks and schedules as data, one issue rule, policies, the executor, the
+simulator and the `search` policy (registered here, with the built-in policies)."""
 
+from . import search
 from .executor import execute
-from .plan import Chunk, build_plan
 from .policies import POLICIES, Policy, fifo_links, make_schedule, register_policy
-from .tasks import COMPUTE, Schedule, Task, TaskGraph
+from .simulator import TaskCosts, run
+from .tasks import (
+    COMPUTE,
+    Direction,
+    Kind,
+    Partition,
+    Phase,
+    Schedule,
+    Task,
+    TaskGraph,
+    walk,
+)
 
 __all__ = [
     "COMPUTE",
     "POLICIES",
-    "Chunk",
+    "Direction",
+    "Kind",
+    "Partition",
+    "Phase",
     "Policy",
     "Schedule",
     "Task",
+    "TaskCosts",
     "TaskGraph",
-    "build_plan",
     "execute",
     "fifo_links",
     "make_schedule",
     "register_policy",
+    "run",
+    "search",
+    "walk",
 ]

@@ -1,6 +1,6 @@
 """Runs a Schedule: compute tasks in order on the calling thread, transfers asynchronously.
 
-Rules (the same ones `Schedule.check` and the simulator assume):
+Rules (`tasks.walk`, the one issue rule `Schedule.check` and the simulator follow too):
   * compute tasks run one at a time in the schedule's compute order;
   * each link issues its transfers in the schedule's order, each as soon as its inputs exist
     (after the compute task that makes them) and the transfers before it on that link were
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from .tasks import COMPUTE, Schedule, Task, TaskGraph
+from .tasks import Schedule, Task, TaskGraph, walk
 
 __all__ = ["TaskRunner", "execute"]
 
@@ -39,31 +39,23 @@ def _completed(pending: Any) -> bool:
 
 
 def execute(schedule: Schedule, graph: TaskGraph, runner: TaskRunner, tracer=None) -> None:
-    """Execute every task of `graph` in the order `schedule` gives (checked beforehand)."""
-    links = [res for res in schedule.order if res != COMPUTE]
-    heads = dict.fromkeys(links, 0)
-    done: set[Task] = set()
+    """Execute every task of `graph` in the order `schedule` gives (checked beforehand), posting
+    transfers under the issue rule (`walk`) and waiting on one only where a task consumes it."""
     inflight: dict[Task, Any] = {}
     started: dict[Task, float] = {}
-
-    def issue() -> None:
-        for link in links:
-            q = schedule.order[link]
-            while heads[link] < len(q) and all(d in done for d in graph.deps[q[heads[link]]]):
-                t = q[heads[link]]
-                started[t] = time.perf_counter()
-                inflight[t] = runner.start(t)
-                heads[link] += 1
 
     def land(t: Task) -> None:
         result = inflight.pop(t).wait()
         if tracer is not None:
             tracer.record(t, started[t], time.perf_counter())
         runner.finish(t, result)
-        done.add(t)
 
-    for t in schedule.order[COMPUTE]:
-        issue()
+    for issued, t in walk(schedule, graph):
+        for a in issued:
+            started[a] = time.perf_counter()
+            inflight[a] = runner.start(a)
+        if t is None:
+            break
         for d in graph.deps[t]:
             if d in inflight:
                 land(d)
@@ -71,11 +63,8 @@ def execute(schedule: Schedule, graph: TaskGraph, runner: TaskRunner, tracer=Non
         runner.run(t)
         if tracer is not None:
             tracer.record(t, t0, time.perf_counter())
-        done.add(t)
-        if tracer is not None:
             # Transfers that finished while we computed get a truthful end time.
             for d in [d for d, p in inflight.items() if _completed(p)]:
                 land(d)
-    issue()
     for d in list(inflight):
         land(d)

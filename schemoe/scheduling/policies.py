@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..registry import Registry
-from .tasks import COMPUTE, Schedule, Task, TaskGraph
+from .tasks import COMPUTE, Kind, Partition, Phase, Schedule, Task, TaskGraph
 
 __all__ = ["POLICIES", "Policy", "fifo_links", "make_schedule", "register_policy"]
 
@@ -36,16 +36,21 @@ __all__ = ["POLICIES", "Policy", "fifo_links", "make_schedule", "register_policy
 class Policy:
     name: str
     order: Callable[..., Schedule]
-    partition: str = "capacity"
+    partition: Partition = Partition.CAPACITY
 
 
 POLICIES: Registry[Policy] = Registry("schedule policy")
 
 
-def register_policy(name: str, *, partition: str = "capacity", replace: bool = False):
+def register_policy(
+    name: str, *, partition: Partition | str = Partition.CAPACITY, replace: bool = False
+):
     """Decorator registering `fn(graph, costs=None) -> Schedule` as policy `name`."""
-    if partition not in ("capacity", "peers"):
-        raise ValueError(f"partition must be 'capacity' or 'peers', got {partition!r}")
+    if partition not in tuple(Partition):
+        raise ValueError(
+            f"partition must be one of {[p.value for p in Partition]}, got {partition!r}"
+        )
+    partition = Partition(partition)
 
     def deco(fn):
         POLICIES.register(name, replace=replace)(Policy(name, fn, partition))
@@ -59,51 +64,58 @@ def fifo_links(graph: TaskGraph, compute: list[Task]) -> Schedule:
     pos = {t: i for i, t in enumerate(compute)}
     order: dict[str, tuple[Task, ...]] = {COMPUTE: tuple(compute)}
     for link in graph.links:
-        comm = [t for t in graph.tasks if t.kind == "A" and t.link == link]
+        comm = [t for t in graph.tasks if t.kind == Kind.A and t.link == link]
         comm.sort(key=lambda t: (max(pos[d] for d in graph.deps[t]), t.phase, t.chunk))
         order[link] = tuple(comm)
     return Schedule(order)
 
 
-def _c(p: int, i: int) -> Task:
-    return Task("C", p, i)
+def _c(p: Phase, i: int) -> Task:
+    return Task(Kind.C, p, i)
 
 
-def _d(p: int, i: int) -> Task:
-    return Task("D", p, i)
+def _d(p: Phase, i: int) -> Task:
+    return Task(Kind.D, p, i)
+
+
+def _e(i: int) -> Task:
+    return Task(Kind.E, Phase.EXPERT, i)
+
+
+_1, _2 = Phase.DISPATCH, Phase.COMBINE
 
 
 @register_policy("sequential")
 def sequential(graph: TaskGraph, costs=None) -> Schedule:
     compute = []
     for i in range(graph.chunks):
-        compute += [_c(1, i), _d(1, i), Task("E", 0, i), _c(2, i), _d(2, i)]
+        compute += [_c(_1, i), _d(_1, i), _e(i), _c(_2, i), _d(_2, i)]
     return fifo_links(graph, compute)
 
 
 @register_policy("tutel")
 def tutel(graph: TaskGraph, costs=None) -> Schedule:
     r = graph.chunks
-    compute = [_c(1, i) for i in range(r)]
+    compute = [_c(_1, i) for i in range(r)]
     for i in range(r):
-        compute += [_d(1, i), Task("E", 0, i), _c(2, i)]
+        compute += [_d(_1, i), _e(i), _c(_2, i)]
         if i > 0:
-            compute.append(_d(2, i - 1))
-    compute.append(_d(2, r - 1))
+            compute.append(_d(_2, i - 1))
+    compute.append(_d(_2, r - 1))
     return fifo_links(graph, compute)
 
 
 @register_policy("schemoe")
 def schemoe(graph: TaskGraph, costs=None) -> Schedule:
     r = graph.chunks
-    compute = [_c(1, i) for i in range(r)]
+    compute = [_c(_1, i) for i in range(r)]
     for i in range(r):
-        compute += [_d(1, i), Task("E", 0, i), _c(2, i)]
-    compute += [_d(2, i) for i in range(r)]
+        compute += [_d(_1, i), _e(i), _c(_2, i)]
+    compute += [_d(_2, i) for i in range(r)]
     return fifo_links(graph, compute)
 
 
-@register_policy("fastermoe", partition="peers")
+@register_policy("fastermoe", partition=Partition.PEERS)
 def fastermoe(graph: TaskGraph, costs=None) -> Schedule:
     return schemoe(graph, costs)
 

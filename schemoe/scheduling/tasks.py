@@ -15,33 +15,86 @@ A Schedule gives, for each resource ("compute" and every link), the order of its
     compute: C1.0 C1.1 D1.0 E.0 C2.0 D1.1 E.1 C2.1 D2.0 D2.1
     net: A1.0 A1.1 A2.0 A2.1
 
-`Schedule.parse(str(s)) == s`. The executor and the simulator consume the same Schedule.
+`Schedule.parse(str(s)) == s`. The executor, the deadlock check and the simulator consume the
+same Schedule under one issue rule (`walk`).
+
+Task kinds, phases, directions and partitions are str/int-valued enums: `Kind.C == "C"`,
+`Phase.DISPATCH == 1`, `Direction.FORWARD == "forward"`, so the text form and plain literals
+still compare equal.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["COMPUTE", "Schedule", "Task", "TaskGraph"]
+from ..layout import Partition
+
+__all__ = [
+    "COMPUTE",
+    "Direction",
+    "Kind",
+    "Partition",
+    "Phase",
+    "Schedule",
+    "Task",
+    "TaskGraph",
+    "walk",
+]
 
 COMPUTE = "compute"
-_KINDS = ("C", "A", "D", "E")
+
+
+class Kind(str, enum.Enum):
+    """What a task does: C compress, A all-to-all (the only transfer), D decompress, E expert."""
+
+    C = "C"
+    A = "A"
+    D = "D"
+    E = "E"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(enum.IntEnum):
+    """Which exchange a task belongs to: the dispatch (1), the combine (2); experts are 0."""
+
+    EXPERT = 0
+    DISPATCH = 1
+    COMBINE = 2
+
+
+class Direction(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _enum(cls, value, what: str):
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 @dataclass(frozen=True, order=True)
 class Task:
     """One task. kind in C/A/D/E; phase 1 or 2 (0 for E); chunk index; link for A tasks."""
 
-    kind: str
-    phase: int
+    kind: Kind
+    phase: Phase
     chunk: int
     link: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"task kind must be one of {_KINDS}, got {self.kind!r}")
-        if (self.kind == "E") != (self.phase == 0) or self.phase not in (0, 1, 2):
-            raise ValueError(f"bad phase {self.phase} for task kind {self.kind}")
+        object.__setattr__(self, "kind", _enum(Kind, self.kind, "task kind"))
+        object.__setattr__(self, "phase", _enum(Phase, self.phase, "task phase"))
+        if (self.kind == Kind.E) != (self.phase == Phase.EXPERT):
+            raise ValueError(f"bad phase {int(self.phase)} for task kind {self.kind}")
         if (self.link is not None) != (self.kind == "A"):
             raise ValueError(f"only A tasks have a link, got {self.kind} with link {self.link!r}")
 
@@ -54,7 +107,7 @@ class Task:
         return self.link if self.kind == "A" else COMPUTE
 
     def __str__(self) -> str:
-        name = "E" if self.kind == "E" else f"{self.kind}{self.phase}"
+        name = "E" if self.kind == Kind.E else f"{self.kind}{int(self.phase)}"
         at = f"@{self.link}" if self.link is not None and self.link != "net" else ""
         return f"{name}.{self.chunk}{at}"
 
@@ -82,15 +135,15 @@ class TaskGraph:
     Args:
         chunks: r.
         links: the resources of the all-to-all algorithm, e.g. ("net",) or ("intra", "inter").
-        direction: "forward" or "backward" (same graph; the executor maps tasks differently).
-        partition: how chunks cut the work: "capacity" (token rows of every expert) or "peers"
-            (groups of destination ranks, FasterMoE's smart schedule).
+        direction: Direction (same graph both ways; the executor maps tasks differently).
+        partition: how chunks cut the work: Partition.CAPACITY (token rows of every expert) or
+            Partition.PEERS (groups of destination ranks, FasterMoE's smart schedule).
     """
 
     chunks: int
     links: tuple[str, ...] = ("net",)
-    direction: str = "forward"
-    partition: str = "capacity"
+    direction: Direction = Direction.FORWARD
+    partition: Partition = Partition.CAPACITY
     deps: dict[Task, tuple[Task, ...]] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,8 +151,9 @@ class TaskGraph:
             raise ValueError(f"chunks must be >= 1, got {self.chunks}")
         if not self.links:
             raise ValueError("an all-to-all needs at least one link")
-        if self.direction not in ("forward", "backward"):
-            raise ValueError(f"direction must be 'forward' or 'backward', got {self.direction!r}")
+        object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "direction", _enum(Direction, self.direction, "direction"))
+        object.__setattr__(self, "partition", _enum(Partition, self.partition, "partition"))
         deps: dict[Task, tuple[Task, ...]] = {}
         for i in range(self.chunks):
             c1, d1, e, c2, d2 = (
@@ -152,9 +206,10 @@ class Schedule:
     def check(self, graph: TaskGraph) -> None:
         """Raise ValueError unless this schedule runs `graph` without deadlock.
 
-        Each task must appear exactly once, on its own resource; and running the compute order
-        while each link issues its tasks in order as soon as their inputs exist must never reach
-        a compute task whose input transfer cannot have been issued.
+        Each task must appear exactly once, on its own resource; and walking the compute order
+        under the issue rule (`walk`: each link issues its tasks in order as soon as their
+        inputs exist) must never reach a compute task whose input transfer cannot have been
+        issued. The error shows the schedule with the failing step marked.
         """
         want = set(graph.tasks)
         seen = [t for ts in self.order.values() for t in ts]
@@ -168,15 +223,53 @@ class Schedule:
             bad = [str(t) for t in ts if t.resource != res]
             if bad:
                 raise ValueError(f"tasks {bad} are not on resource {res!r}")
-        done: set[Task] = set()
-        heads = {res: 0 for res in self.order if res != COMPUTE}
-        for t in self.order.get(COMPUTE, ()):
-            for res in heads:  # noqa: PLC0206 (heads is mutated inside)
-                q = self.order[res]
-                while heads[res] < len(q) and all(d in done for d in graph.deps[q[heads[res]]]):
-                    done.add(q[heads[res]])
-                    heads[res] += 1
-            missing = [str(d) for d in graph.deps[t] if d not in done]
+        reached: set[Task] = set()
+        for issued, t in walk(self, graph):
+            reached.update(issued)
+            if t is None:
+                break
+            missing = [str(d) for d in graph.deps[t] if d not in reached]
             if missing:
-                raise ValueError(f"schedule deadlocks: {t} needs {missing}, which cannot start")
-            done.add(t)
+                raise ValueError(
+                    f"schedule deadlocks: {t} needs {missing}, which cannot start\n"
+                    + self.marked(t)
+                )
+            reached.add(t)
+
+    def marked(self, task: Task) -> str:
+        """The text form with `task` marked `>>task<<` (for error messages)."""
+        return "\n".join(
+            f"{res}: " + " ".join(f">>{t}<<" if t == task else str(t) for t in ts)
+            for res, ts in self.order.items()
+        )
+
+
+def walk(schedule: Schedule, graph: TaskGraph) -> Iterator[tuple[list[Task], Task | None]]:
+    """The issue rule, the one the executor, the deadlock check and the simulator all follow.
+
+    Yields `(issued, task)` for each compute task of the schedule in its order, then once
+    `(issued, None)`: `issued` are the transfers to post just before `task` runs (after the last
+    compute task for None). A link posts its transfers in the schedule's order, each as soon as
+    its inputs exist (every compute input has been yielded, every transfer input posted) and
+    every transfer before it on that link was posted; posting never waits for the link to be
+    free: the link works through its queue first-come first-served. The consumer runs `task`
+    before asking for the next item (a compute task counts as done once it has been yielded).
+    """
+    links = [res for res in schedule.order if res != COMPUTE]
+    heads = dict.fromkeys(links, 0)
+    done: set[Task] = set()
+
+    def ready() -> list[Task]:
+        out = []
+        for link in links:
+            q = schedule.order[link]
+            while heads[link] < len(q) and all(d in done for d in graph.deps[q[heads[link]]]):
+                out.append(q[heads[link]])
+                done.add(q[heads[link]])
+                heads[link] += 1
+        return out
+
+    for t in schedule.order.get(COMPUTE, ()):
+        yield ready(), t
+        done.add(t)
+    yield ready(), None

@@ -14,17 +14,18 @@ the fastermoe/peers chunk sizes, per-task overhead. The search:
   3. local search on the best: move one task to another place in its chain's window while the
      makespan improves, within an evaluation budget.
 
-With `costs=None` (how the layer calls policies today: `schedule_for` has no cost model) there is
-nothing to search: it returns the schemoe order. Results are cached per (graph, task costs).
+With `costs=None` there is nothing to search: it returns the schemoe order (a layer configured
+with policy "search" and no cost model says so once, on the "schemoe" logger). Results are cached
+per (graph, task costs): values, not object identities.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from ..scheduling.policies import fifo_links, register_policy, schemoe, sequential, tutel
-from ..scheduling.tasks import COMPUTE, Schedule, Task, TaskGraph
 from . import simulator
+from .policies import fifo_links, register_policy, schemoe, sequential, tutel
+from .tasks import COMPUTE, Kind, Phase, Schedule, Task, TaskGraph
 
 __all__ = ["best_order", "interleavings", "search"]
 
@@ -35,7 +36,13 @@ MAX_EVALS = 1500
 
 def _chains(graph: TaskGraph) -> list[list[Task]]:
     return [
-        [Task("C", 1, i), Task("D", 1, i), Task("E", 0, i), Task("C", 2, i), Task("D", 2, i)]
+        [
+            Task(Kind.C, Phase.DISPATCH, i),
+            Task(Kind.D, Phase.DISPATCH, i),
+            Task(Kind.E, Phase.EXPERT, i),
+            Task(Kind.C, Phase.COMBINE, i),
+            Task(Kind.D, Phase.COMBINE, i),
+        ]
         for i in range(graph.chunks)
     ]
 

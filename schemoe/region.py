@@ -5,6 +5,8 @@ A custom autograd Function wraps the whole region, so backward runs the backward
 the same policy (per-chunk expert backward overlapping the gradient all-to-alls) instead of
 autograd's ready queue, which would serialise it. Forward compression is straight-through: the
 gradient ignores the rounding of the forward payload (the usual choice; see the compression docs).
+When no gradient is needed (torch.no_grad, inference_mode, or nothing requires grad) the region
+runs the forward schedule alone and builds no expert graph.
 
 Legend: N dispatch-buffer rows of this rank, M model dim, W wire width of a compressed row.
 """
@@ -18,41 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import trace
-from .executor import execute
-from .plan import Chunk
-from .policies import POLICIES, make_schedule
-from .tasks import Schedule, Task, TaskGraph
+from . import trace
+from .layout import Chunk
+from .scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 
 __all__ = ["Region", "run_region"]
-
-_SCHEDULES: dict[tuple, tuple[TaskGraph, Schedule]] = {}
-
-
-def schedule_for(
-    policy: str, chunks: int, links: tuple[str, ...], direction: str, costs: Any = None
-):
-    """The (graph, schedule) of a policy, built and checked once per shape (and cost model)."""
-    key = (policy, chunks, links, direction, id(POLICIES.get(policy)), id(costs))
-    if key not in _SCHEDULES:
-        partition = POLICIES.get(policy).partition
-        graph = TaskGraph(chunks, links, direction, partition)
-        _SCHEDULES[key] = (graph, make_schedule(policy, graph, costs))
-    return _SCHEDULES[key]
 
 
 @dataclass
 class Region:
-    """Everything one layer call's scheduled region needs (built per call by MoELayer)."""
+    """Everything one layer call's scheduled region needs (built per call by MoELayer from its
+    resolved configuration and the dispatcher's chunk plan)."""
 
-    plan: list[Chunk]
+    plan: Sequence[Chunk]
     algorithm: Any  # AllToAll
     forward_compressor: Any
     backward_compressor: Any
     experts: nn.Module
-    policy: str
-    costs: Any = None  # a cost model for policies that use one ("search"); same on every rank
-    on_backward: Callable[[float], None] | None = None  # gets the backward's seconds (timing)
+    forward: tuple[TaskGraph, Schedule]
+    backward: tuple[TaskGraph, Schedule]
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -82,15 +68,15 @@ class _Runner:
     def run(self, t: Task) -> None:
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
-        if t.kind == "C" and t.phase == 1:
+        if t.kind == Kind.C and t.phase == Phase.DISPATCH:
             x = self.src if ch.send_idx is None else self.src.index_select(0, ch.send_idx)
             self._encode(key, x)
-        elif t.kind == "D" and t.phase == 1:
+        elif t.kind == Kind.D and t.phase == Phase.DISPATCH:
             x = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
             self.hidden[t.chunk] = x if ch.perm is None else x.index_select(0, ch.perm)
-        elif t.kind == "E":
+        elif t.kind == Kind.E:
             self.hidden[t.chunk] = self.expert_fn(t.chunk, self.hidden[t.chunk], ch.expert_counts)
-        elif t.kind == "C":
+        elif t.kind == Kind.C:
             y = self.hidden.pop(t.chunk)
             self._encode(key, y if ch.inv_perm is None else y.index_select(0, ch.inv_perm))
         else:  # D2: back in this rank's buffer order
@@ -107,7 +93,9 @@ class _Runner:
         key = (t.phase, t.chunk)
         x = self.payload[key]
         send, recv = (
-            (ch.send_splits, ch.recv_splits) if t.phase == 1 else (ch.recv_splits, ch.send_splits)
+            (ch.send_splits, ch.recv_splits)
+            if t.phase == Phase.DISPATCH
+            else (ch.recv_splits, ch.send_splits)
         )
         if not self.multi:
             self.payload.pop(key)
@@ -132,30 +120,21 @@ def _params(experts: nn.Module) -> list[nn.Parameter]:
 class _RegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
-        need_grad = rows_NM.requires_grad or any(p.requires_grad for p in params)
-
         def expert_fwd(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-            if not need_grad:
-                return region.experts(x, counts)
             leaf = x.detach().requires_grad_(True)
             with torch.enable_grad():
                 y = region.experts(leaf, counts)
             region.saved[i] = (leaf, y)
             return y.detach()
 
-        runner = _Runner(region, rows_NM, region.forward_compressor, expert_fwd)
-        graph, sched = schedule_for(
-            region.policy, len(region.plan), region.links, "forward", region.costs
-        )
-        execute(sched, graph, runner, trace.active("forward"))
+        out_NM = _run_forward(region, rows_NM, expert_fwd)
         ctx.region = region
         ctx.n_params = len(params)
-        return runner.result()
+        return out_NM
 
     @staticmethod
     def backward(ctx, grad_NM: torch.Tensor):
         region: Region = ctx.region
-        t0 = trace.clock(grad_NM.device) if region.on_backward is not None else 0.0
         params = _params(region.experts)
         acc: list[torch.Tensor | None] = [None] * len(params)
         owned = [False] * len(params)  # acc[j] is our own sum (safe to add into in place)
@@ -175,16 +154,22 @@ class _RegionFn(torch.autograd.Function):
             return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
 
         runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
-        graph, sched = schedule_for(
-            region.policy, len(region.plan), region.links, "backward", region.costs
-        )
+        graph, sched = region.backward
         execute(sched, graph, runner, trace.active("backward"))
         grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
-        if region.on_backward is not None:
-            region.on_backward(trace.clock(grad_NM.device) - t0)
         return (None, runner.result(), *grad_params)
+
+
+def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:
+    runner = _Runner(region, rows_NM, region.forward_compressor, expert_fn)
+    graph, sched = region.forward
+    execute(sched, graph, runner, trace.active("forward"))
+    return runner.result()
 
 
 def run_region(region: Region, rows_NM: torch.Tensor) -> torch.Tensor:
     """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows."""
-    return _RegionFn.apply(region, rows_NM, *_params(region.experts))
+    params = _params(region.experts)
+    if not torch.is_grad_enabled() or not (rows_NM.requires_grad or params):
+        return _run_forward(region, rows_NM, lambda i, x, counts: region.experts(x, counts))
+    return _RegionFn.apply(region, rows_NM, *params)

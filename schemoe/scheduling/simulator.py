@@ -1,15 +1,15 @@
 """Dry-run of a Schedule: the makespan and timeline the executor would produce, from task costs.
 
 `run(schedule, graph, costs)` consumes exactly the objects the executor runs (a
-`schemoe.scheduling.Schedule` and its `TaskGraph`) under the executor's rules
-(scheduling/executor.py):
+`schemoe.scheduling.Schedule` and its `TaskGraph`) under the executor's rules, walked by the same
+issue rule (`tasks.walk`):
 
   * compute tasks run one at a time in the schedule's compute order, each costing its duration
     plus the executor's per-task overhead;
   * before each compute task the executor posts every transfer whose inputs exist and whose
     turn on its link has come (posting costs the per-task overhead on the compute thread);
   * each link moves one transfer at a time, first-come first-served in the schedule's order: a
-    posted transfer starts when the link is free (measured on the testbed: two plain gloo
+    posted transfer starts when the link is free (docs/costmodel.md: two plain gloo
     all-to-alls posted back to back finish at 1x and 2x one's time; the comm-thread algorithms
     run one job at a time by construction);
   * a compute task waits for a transfer only when it consumes it.
@@ -21,7 +21,7 @@ What it does not model:
   * contention between links and compute: on CPU, gloo's threads and the kernel's TCP stack take
     cycles from the compute thread (and NCCL kernels take SMs on a GPU); a link is assumed to move
     bytes at its rate whatever the compute does. (CPU ranks sharing cores are handled outside,
-    by scaling compute durations: `model.sharing_scale`, applied in `prediction.predict`);
+    by scaling compute durations: the cost model's `sharing_scale`, applied in its predictions);
   * other ranks: it follows one representative rank; a gloo collective completing only when the
     slowest rank reaches it (rank skew, uneven per-rank loads as in fastermoe's peer groups) is
     not simulated;
@@ -37,12 +37,21 @@ What it does not model:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from ..scheduling.tasks import COMPUTE, Schedule, Task, TaskGraph
 from ..trace import Event
-from .model import TaskCosts
+from .tasks import COMPUTE, Schedule, Task, TaskGraph, walk
 
-__all__ = ["run", "task_costs"]
+__all__ = ["TaskCosts", "run", "task_costs"]
+
+
+@dataclass(frozen=True)
+class TaskCosts:
+    """Seconds per task of one graph, and the executor's cost per task (on the compute thread,
+    for compute tasks and for posting each transfer)."""
+
+    durations: Mapping[Task, float]
+    overhead: float = 0.0
 
 
 def task_costs(costs, graph: TaskGraph) -> TaskCosts:
@@ -81,38 +90,26 @@ def run(
     tc = task_costs(costs, graph)
     dur, ovh = tc.durations, tc.overhead
     direction = direction or graph.direction
-    links = [res for res in schedule.order if res != COMPUTE]
-    heads = dict.fromkeys(links, 0)
-    free = dict.fromkeys(links, origin)  # when each link finishes what it was given
-    done: set[Task] = set()
+    free = {res: origin for res in schedule.order if res != COMPUTE}  # when each link is idle
     inflight: dict[Task, float] = {}  # transfer -> end time
     events: list[Event] = []
     now = origin  # the compute thread's clock
 
-    def issue() -> None:
-        nonlocal now
-        for link in links:
-            q = schedule.order[link]
-            while heads[link] < len(q) and all(d in done for d in graph.deps[q[heads[link]]]):
-                t = q[heads[link]]
-                now += ovh  # posting costs the compute thread
-                start = max(now, free[link])
-                free[link] = end = start + dur[t]
-                inflight[t] = end
-                if record:
-                    events.append(Event(rank, direction, str(t), link, start, end))
-                heads[link] += 1
-
-    for t in schedule.order[COMPUTE]:
-        issue()
+    for issued, t in walk(schedule, graph):
+        for a in issued:
+            now += ovh  # posting costs the compute thread
+            start = max(now, free[a.resource])
+            free[a.resource] = end = start + dur[a]
+            inflight[a] = end
+            if record:
+                events.append(Event(rank, str(direction), str(a), a.resource, start, end))
+        if t is None:
+            break
         for d in graph.deps[t]:
             if d in inflight:  # wait only for what this task consumes
                 now = max(now, inflight.pop(d))
-                done.add(d)
         start, now = now, now + ovh + dur[t]
         if record:
-            events.append(Event(rank, direction, str(t), COMPUTE, start, now))
-        done.add(t)
-    issue()
+            events.append(Event(rank, str(direction), str(t), COMPUTE, start, now))
     end = max([now, *inflight.values()])
     return end - origin, events

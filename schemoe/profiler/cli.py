@@ -20,7 +20,21 @@ import json
 import os
 import statistics
 
+import torch
+import torch.distributed as dist
+
+from .. import config as c
 from .._cli_util import guard
+from .._dist import init_process_group, spawn
+from ..costmodel import profiles
+from ..costmodel.hardware import preset
+from ..costmodel.model import A2A_MODELS, LayerShape
+from ..costmodel.prediction import predict, predict_config
+from ..costmodel.tune import explore
+from ..testbed.netns import parse_rate
+from ..topology import Topology
+from ..trace import gantt
+from . import measure
 
 __all__ = ["register"]
 
@@ -28,15 +42,10 @@ POLICY_ROWS = ("sequential", "tutel", "fastermoe", "schemoe", "search")
 
 
 def _rank(rank: int, world: int, opts: dict) -> dict | None:
-    import torch
-    import torch.distributed as dist
-
-    from ..topology import Topology
-    from . import profile
 
     torch.set_num_threads(1)  # the ranks share the host's cores, as in `schemoe bench`
     topo = Topology.from_group(None, opts["ranks_per_node"])
-    hw, pts = profile.measure(
+    hw, pts = measure.measure(
         topo,
         model_dim=opts["model_dim"],
         hidden=opts["hidden"],
@@ -47,10 +56,10 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
     )
     if dist.get_rank() != 0:
         return None
-    key = profile.save(hw, opts["path"])
+    key = profiles.save(hw, opts["path"])
     print(
         f"# schemoe profile: {topo.nodes} node(s) x {topo.ranks_per_node} rank(s), "
-        f"saved as {key!r} in {opts['path'] or profile.DEFAULT_PATH}"
+        f"saved as {key!r} in {opts['path'] or profiles.DEFAULT_PATH}"
     )
     print(
         f"intra: alpha {hw.intra.alpha * 1e6:.1f} us, {hw.intra.beta / 1e9:.3f} GB/s; "
@@ -69,8 +78,6 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .._dist import init_process_group, spawn
-    from ..testbed.netns import parse_rate
 
     opts = {
         "ranks_per_node": args.ranks_per_node,
@@ -83,8 +90,6 @@ def _profile(args: argparse.Namespace) -> int:
         "rate_bps": parse_rate(args.link_rate) if args.link_rate else None,
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched (torchrun, testbed)
-        import torch.distributed as dist
-
         init_process_group("gloo", timeout_s=args.timeout)
         try:
             _rank(dist.get_rank(), dist.get_world_size(), opts)
@@ -98,7 +103,6 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _shape(args, hw):
-    from .model import LayerShape
 
     return LayerShape(
         tokens=args.tokens,
@@ -113,9 +117,8 @@ def _shape(args, hw):
 
 
 def _systems(hw, shape, layers: int, dense: float) -> list[dict]:
-    """Each system as it ships (PAPER.md 'Baselines'): tutel, fastermoe uncompressed on a plain
+    """Each system as it ships (the paper's baselines): tutel, fastermoe uncompressed on a plain
     all-to-all at their best r; schemoe with Pipe-A2A and ZFP at the paper's r = 2."""
-    from .prediction import predict
 
     rows = []
     for pol in ("tutel", "fastermoe"):
@@ -138,8 +141,7 @@ ABLATION = (
 
 
 def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
-    """The paper's ablation ladder (PAPER.md "Ablation"): each step adds one ScheMoE part."""
-    from .prediction import predict
+    """The paper's ablation ladder (the ScheMoE paper's ablation): each step adds one ScheMoE part."""
 
     rows = []
     for step, pol, alg, comp, r in ABLATION:
@@ -150,14 +152,9 @@ def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ..trace import gantt
-    from . import profile
-    from .hardware import preset
-    from .prediction import predict
-    from .tune import explore
 
     if args.profile:
-        hw = profile.load(args.nodes, args.ranks_per_node, path=args.profile)
+        hw = profiles.load(args.nodes, args.ranks_per_node, path=args.profile)
         if hw is None:
             raise ValueError(f"no profile for {args.nodes}x{args.ranks_per_node} in {args.profile}")
     else:
@@ -239,7 +236,6 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
                 summary = json.loads(line)
     if summary is None or not config:
         raise ValueError(f"{path} holds no `schemoe bench layer` header and JSON line")
-    from .model import A2A_MODELS
 
     # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
     rows = summary["results"]
@@ -250,15 +246,12 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
 
 def _validate(args: argparse.Namespace) -> int:
     """Predict every row of saved bench outputs; print errors; optional predicted-vs-measured PNG."""
-    from .. import config as c
-    from . import profile
-    from .prediction import predict_config
 
     points = []
     for spec in args.runs:
         bench, _, prof = spec.partition("=")
         cfg, rows = _bench_rows(bench)
-        hw = profile.load(None, None, path=prof or args.profile)
+        hw = profiles.load(None, None, path=prof or args.profile)
         if hw is None:
             raise ValueError(f"no profile in {prof or args.profile}")
         for r in rows:

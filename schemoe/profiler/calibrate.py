@@ -1,6 +1,6 @@
 """The cost model's constants that no micro-benchmark isolates, fitted on real layer steps.
 
-`schemoe profile` (profile.py) fits links, GEMMs, copies and codecs from micro-benchmarks, then
+`schemoe profile` (measure.py) fits links, GEMMs, copies and codecs from micro-benchmarks, then
 calls `calibrate` to time whole MoE layer steps (forward + backward) at the profiled shape, with
 every rank measuring at once, and solve the model for what those steps add: the fixed cost per
 step, the cost per task, the compute factor and, when CPU ranks share cores, `comm_cpu`.
@@ -8,20 +8,23 @@ step, the cost per task, the compute factor and, when CPU ranks share cores, `co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
-from .hardware import Hardware
-from .profile import _timed
+import torch
+import torch.distributed as dist
+
+from ..config import ExpertConfig, GateConfig, MoEConfig, ParallelConfig, ScheduleConfig
+from ..costmodel.hardware import Hardware
+from ..costmodel.model import LayerShape
+from ..costmodel.prediction import predict
+from ..layer import MoELayer
 
 __all__ = ["calibrate"]
 
 
 def _layer(shape, ranks_per_node: int, r: int, group=None):
     """One training step (forward + backward) of an MoE layer of `shape`, sequential at r chunks."""
-    import torch
-
-    from .. import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
-
     gate = GateConfig(
         num_experts=shape.experts, top_k=shape.top_k, capacity_factor=shape.capacity_factor
     )
@@ -51,7 +54,9 @@ def _solve(f, target: float, lo: float, hi: float) -> float:
     return (lo + hi) / 2
 
 
-def calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
+def calibrate(
+    hw: Hardware, topo, shape: LayerShape, repeats: int, timed: Callable[[dict, int], dict]
+) -> Hardware:
     """The constants no micro-benchmark isolates, fitted on real layer steps (forward + backward),
     all ranks at once:
 
@@ -63,12 +68,9 @@ def calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
       t_r = s (m_r + o n_r), with m_r the model's step and n_r its tasks (o >= 0);
     - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
       step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores.
+
+    `timed(candidates, repeats)` -> median seconds per candidate (measure.timed).
     """
-    import torch.distributed as dist
-
-    from .model import LayerShape
-    from .prediction import predict
-
     world, rank = dist.get_world_size(), dist.get_rank()
     solo = [dist.new_group([q]) for q in range(world)][rank]  # collective: all create all
     tiny = LayerShape(256, 64, 128, 8)
@@ -80,7 +82,7 @@ def calibrate(hw: Hardware, topo, shape, repeats: int) -> Hardware:
     cands.update({("solo", r): _layer(local, 1, r, solo) for r in (1, 8)})
     if world > 1:
         cands["all"] = _layer(shape, topo.ranks_per_node, 1)
-    times = _timed(cands, repeats)
+    times = timed(cands, repeats)
     one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
     step = max(0.0, times["tiny"] - predict(one, tiny, "sequential").step_s)
     one = replace(one, step_overhead=step)

@@ -1,0 +1,101 @@
+"""Token layout and chunk plans against indices computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemoe.gating.router import Routing
+from schemoe.layout import Partition, build_plan, decode, encode
+
+# Rank 0 of P = 2, E = 4 (El = 2). Its buffer: e0 rows 0-2, e1 row 3, e2 rows 4-5, e3 rows 6-7.
+COUNTS = (3, 1, 2, 2)
+RECV = ((3, 1), (2, 2))  # from rank 0 (its own e0, e1) and from rank 1
+
+
+def _plain(plan):
+    return [
+        {
+            "send_idx": None if c.send_idx is None else c.send_idx.tolist(),
+            "send": c.send_splits,
+            "recv": c.recv_splits,
+            "perm": None if c.perm is None else c.perm.tolist(),
+            "inv": None if c.inv_perm is None else c.inv_perm.tolist(),
+            "experts": c.expert_counts,
+        }
+        for c in plan
+    ]
+
+
+def test_capacity_chunks_take_the_floor_split_of_every_experts_rows():
+    got = _plain(build_plan(COUNTS, RECV, 0, 2, Partition.CAPACITY))
+    assert got == [
+        # chunk 0: rows [0, n // 2) of each expert: e0 row 0, e1 none, e2 row 4, e3 row 6
+        {"send_idx": [0, 4, 6], "send": (1, 2), "recv": (1, 2), "perm": [0, 1, 2],
+         "inv": [0, 1, 2], "experts": (2, 1)},
+        # chunk 1: e0 rows 1-2, e1 row 3, e2 row 5, e3 row 7; received (s0: el0 x2, el1 x1;
+        # s1: el0, el1) reordered to el0 (s0, s0, s1), el1 (s0, s1)
+        {"send_idx": [1, 2, 3, 5, 7], "send": (3, 2), "recv": (3, 2), "perm": [0, 1, 3, 2, 4],
+         "inv": [0, 1, 3, 2, 4], "experts": (3, 2)},
+    ]  # fmt: skip
+
+
+def test_peers_chunks_exchange_whole_experts_with_one_peer_group_each():
+    got = _plain(build_plan(COUNTS, RECV, 0, 2, "peers"))
+    assert got == [
+        # offset 0: this rank's own experts e0, e1 (a local copy)
+        {"send_idx": [0, 1, 2, 3], "send": (4, 0), "recv": (4, 0), "perm": [0, 1, 2, 3],
+         "inv": [0, 1, 2, 3], "experts": (3, 1)},
+        # offset 1: rank 1's experts e2, e3, and what rank 1 sends to e0, e1
+        {"send_idx": [4, 5, 6, 7], "send": (0, 4), "recv": (0, 4), "perm": [0, 1, 2, 3],
+         "inv": [0, 1, 2, 3], "experts": (2, 2)},
+    ]  # fmt: skip
+
+
+def test_one_chunk_sends_the_whole_buffer_without_an_index():
+    (c,) = build_plan(COUNTS, RECV, 0, 1)
+    assert c.send_idx is None and (c.send_splits, c.recv_splits) == ((4, 4), (4, 4))
+    assert c.perm.tolist() == [0, 1, 2, 4, 5, 3, 6, 7] and c.expert_counts == (5, 3)
+
+
+def test_one_rank_or_one_local_expert_needs_no_permutation():
+    (c,) = build_plan((2, 1), ((2, 1),), 0, 1)
+    assert c.perm is None and c.inv_perm is None and c.expert_counts == (2, 1)
+    plan = build_plan((2, 2), ((2,), (1,)), 1, 2)
+    assert all(ch.perm is None for ch in plan)
+
+
+@pytest.mark.parametrize(
+    "counts,recv,chunks,partition,match",
+    [
+        ((1, 1, 1), ((1,), (1,)), 1, "capacity", "cannot be split"),
+        (COUNTS, RECV, 3, "peers", "chunks <= ranks"),
+        (COUNTS, RECV, 1, "rows", "partition must be"),
+    ],
+)
+def test_build_plan_names_what_is_wrong(counts, recv, chunks, partition, match):
+    with pytest.raises(ValueError, match=match):
+        build_plan(counts, recv, 0, chunks, partition)
+
+
+def _routing() -> Routing:
+    # T = 3 tokens, k = 2, E = 2 experts of 2 rows: token 0 -> rows 0 (e0) and 2 (e1); token 1
+    # -> row 1 (e0), its second choice dropped; token 2 -> row 3 (e1), its second dropped.
+    slot = torch.tensor([[0, 2], [1, -1], [3, -1]])
+    weight = torch.tensor([[0.75, 0.25], [1.0, 0.0], [0.5, 0.0]])
+    expert = torch.tensor([[0, 1], [0, 1], [1, 0]])
+    z = torch.zeros(3, 2)
+    return Routing(z, z, expert, weight, slot, (2, 2))
+
+
+def test_encode_puts_each_kept_choice_in_its_row():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    rows = encode(x, _routing())
+    assert rows.tolist() == [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0], [5.0, 6.0]]
+
+
+def test_decode_sums_each_tokens_rows_with_its_weights_in_its_dtype():
+    rows = torch.tensor([[1.0, 0.0], [2.0, 2.0], [0.0, 4.0], [8.0, 8.0]])
+    y = decode(rows, _routing(), torch.float64)
+    assert y.dtype == torch.float64
+    assert y.tolist() == [[0.75, 1.0], [2.0, 2.0], [4.0, 4.0]]
