@@ -1,20 +1,21 @@
 """Every all-to-all algorithm against `naive` (bitwise) and against a single-process reference.
 
-One spawn per world size; each worker loops over every layout (ranks per node), algorithm and
-case and returns a report of what failed, so a single run shows all failures at once. Every
-rank builds every rank's input from the case's seed, so it knows what it should receive.
+One test item per (layout, case), run on ranks shared through the `ranks` fixture (a pool per
+world size); each returns what failed, by check. Every rank builds every rank's input from the
+case's seed, so it knows what it should receive.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+from conftest import registered
 
-from schemoe._dist import spawn
 from schemoe.collectives import ALGORITHMS, Naive, build
 from schemoe.topology import Topology
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
-# world -> ranks_per_node values to run in that world's single spawn (nodes x ranks per node).
+# world -> ranks_per_node values (nodes x ranks per node) to run on that world's ranks.
 LAYOUTS = {1: (1,), 4: (2, 1, 4), 6: (3, 2)}
 DTYPES = (torch.float32, torch.bfloat16)
 TRAILS = ((3,), ())  # rows of shape [N, 3] and [N]
@@ -76,109 +77,89 @@ def _error(fn, *args, **kwargs) -> str:
     return "no ValueError"
 
 
-def _run_cases(rank: int, world: int, layouts: tuple[int, ...]) -> dict:
-    rep: dict = {"checks": 0, "reference": [], "naive": [], "parts": [], "flight": [], "errors": {}}
-    for rpn in layouts:
-        topo = Topology.from_group(None, ranks_per_node=rpn)
-        algos = {name: build(name, topo) for name in ALGOS}
-        pipe = algos["pipe"]
-        for i, (kind, dtype, trail) in enumerate(
-            (k, d, t) for k in KINDS for d in DTYPES for t in TRAILS
-        ):
-            seed = 17 * rpn + i
-            label = f"{world // rpn}x{rpn} {kind} seed={seed} {dtype} shape=[N{', 3' * len(trail)}]"
-            x, send, recv, want = _case(seed, kind, dtype, trail, rank, world)
-            got = {n: a.start(x, send, recv).wait() for n, a in algos.items()}
-            rep["checks"] += 1
-            if not torch.equal(got["naive"], want):
-                rep["reference"].append(label)
-            for n in ALGOS[1:]:
-                if got[n].shape != want.shape or not torch.equal(got[n], got["naive"]):
-                    rep["naive"].append(f"{n}: {label}")
-                given = _garbage(want)
-                if algos[n].start(x, send, recv, out=given).wait() is not given:
-                    rep["naive"].append(f"{n} (out=) did not return the given buffer: {label}")
-                elif not torch.equal(given, got["naive"]):
-                    rep["naive"].append(f"{n} (out=): {label}")
-            out = _garbage(want)
-            inter = pipe.start(x, send, recv, link="inter", out=out)
-            intra = pipe.start(x, send, recv, link="intra", out=out)
-            intra.wait()
-            inter.wait()
-            if not torch.equal(out, got["naive"]):
-                rep["parts"].append(label)
-        # Two transfers of every algorithm in flight at once, waited in reverse order.
-        a = _case(1000 + rpn, "random", torch.float32, (3,), rank, world)
-        b = _case(2000 + rpn, "random", torch.float32, (), rank, world)
-        for n, algo in algos.items():
-            first, second = algo.start(*a[:3]), algo.start(*b[:3])
-            if not (torch.equal(second.wait(), b[3]) and torch.equal(first.wait(), a[3])):
-                rep["flight"].append(f"{n} {world // rpn}x{rpn}")
-        # Bad input is refused before any communication, identically on every rank.
-        x, send, recv, _ = _case(3000, "random", torch.float32, (3,), rank, world)
-        negative = [-1] + list(send[1:])
-        for n, algo in algos.items():
-            rep["errors"][(n, "length")] = _error(algo.start, x, send[:-1], recv)
-            rep["errors"][(n, "negative")] = _error(algo.start, x, negative, recv)
-        rep["errors"][("pipe", "link")] = _error(pipe.start, x, send, recv, link="net")
+CASES = [(k, d, t) for k in KINDS for d in DTYPES for t in TRAILS]
+LAYOUT_PARAMS = [(w, rpn) for w, rpns in LAYOUTS.items() for rpn in rpns]
+
+
+def _one_case(rank: int, world: int, rpn: int, i: int) -> dict:
+    """One (layout, case): naive vs the reference, every algorithm vs naive (with and without
+    out=), and Pipe-A2A's two parts into one buffer; the failures, by check."""
+    kind, dtype, trail = CASES[i]
+    topo = Topology.from_group(None, ranks_per_node=rpn)
+    algos = {name: build(name, topo) for name in ALGOS}
+    rep: dict = {"reference": [], "naive": [], "parts": []}
+    seed = 17 * rpn + i
+    label = f"{world // rpn}x{rpn} {kind} seed={seed} {dtype} shape=[N{', 3' * len(trail)}]"
+    x, send, recv, want = _case(seed, kind, dtype, trail, rank, world)
+    got = {n: a.start(x, send, recv).wait() for n, a in algos.items()}
+    if not torch.equal(got["naive"], want):
+        rep["reference"].append(label)
+    for n in ALGOS[1:]:
+        if got[n].shape != want.shape or not torch.equal(got[n], got["naive"]):
+            rep["naive"].append(f"{n}: {label}")
+        given = _garbage(want)
+        if algos[n].start(x, send, recv, out=given).wait() is not given:
+            rep["naive"].append(f"{n} (out=) did not return the given buffer: {label}")
+        elif not torch.equal(given, got["naive"]):
+            rep["naive"].append(f"{n} (out=): {label}")
+    out = _garbage(want)
+    inter = algos["pipe"].start(x, send, recv, link="inter", out=out)
+    intra = algos["pipe"].start(x, send, recv, link="intra", out=out)
+    intra.wait()
+    inter.wait()
+    if not torch.equal(out, got["naive"]):
+        rep["parts"].append(label)
+    return rep
+
+
+def _in_flight_and_errors(rank: int, world: int, rpn: int) -> dict:
+    """Two transfers of every algorithm in flight at once (waited in reverse order), bad input
+    refused before any communication, and a user's algorithm built by name."""
+    topo = Topology.from_group(None, ranks_per_node=rpn)
+    algos = {name: build(name, topo) for name in ALGOS}
+    rep: dict = {"flight": [], "errors": {}}
+    a = _case(1000 + rpn, "random", torch.float32, (3,), rank, world)
+    b = _case(2000 + rpn, "random", torch.float32, (), rank, world)
+    for n, algo in algos.items():
+        first, second = algo.start(*a[:3]), algo.start(*b[:3])
+        if not (torch.equal(second.wait(), b[3]) and torch.equal(first.wait(), a[3])):
+            rep["flight"].append(f"{n} {world // rpn}x{rpn}")
+    x, send, recv, _ = _case(3000, "random", torch.float32, (3,), rank, world)
+    negative = [-1] + list(send[1:])
+    for n, algo in algos.items():
+        rep["errors"][(n, "length")] = _error(algo.start, x, send[:-1], recv)
+        rep["errors"][(n, "negative")] = _error(algo.start, x, negative, recv)
+    rep["errors"][("pipe", "link")] = _error(algos["pipe"].start, x, send, recv, link="net")
+    with registered(ALGORITHMS, "test_user_algo", UserAlgo):
         user = build("test_user_algo", topo)
         if not (isinstance(user, UserAlgo) and torch.equal(user.start(*a[:3]).wait(), a[3])):
             rep["flight"].append(f"test_user_algo {world // rpn}x{rpn}")
     return rep
 
 
-_REPORTS: dict[int, list[dict] | BaseException] = {}
+@pytest.mark.parametrize("i", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i][:2])))
+@pytest.mark.parametrize("world,rpn", LAYOUT_PARAMS, ids=lambda v: str(v))
+def test_every_algorithm_delivers_what_naive_and_the_reference_deliver(ranks, world, rpn, i):
+    reps = ranks(world).run(_one_case, rpn, i)
+    failed = {k: [f"rank {r}: {f}" for r, rep in enumerate(reps) for f in rep[k]] for k in reps[0]}
+    assert failed == {"reference": [], "naive": [], "parts": []}
 
 
-def _reports() -> dict[int, list[dict]]:
-    """One spawn per world size, shared by the tests below (each spawn costs seconds).
-
-    A world whose run failed fails every test that reads it, not only the first one."""
-    for world, layouts in LAYOUTS.items():
-        if world not in _REPORTS:
-            try:
-                _REPORTS[world] = spawn(_run_cases, world, layouts, timeout=60)
-            except (RuntimeError, TimeoutError) as e:
-                _REPORTS[world] = e
-    for rep in _REPORTS.values():
-        if isinstance(rep, BaseException):
-            raise rep
-    return _REPORTS
+@pytest.mark.parametrize("world,rpn", LAYOUT_PARAMS, ids=lambda v: str(v))
+def test_two_transfers_in_flight_at_once_both_arrive_intact(ranks, world, rpn):
+    reps = ranks(world).run(_in_flight_and_errors, rpn)
+    assert [f for rep in reps for f in rep["flight"]] == []
 
 
-def _failures(key: str) -> list[str]:
-    return [
-        f"world {w} rank {r}: {f}"
-        for w, reps in _reports().items()
-        for r, rep in enumerate(reps)
-        for f in rep[key]
-    ]
-
-
-def test_naive_delivers_what_a_single_process_reference_expects():
-    assert all(rep["checks"] == 16 * len(LAYOUTS[w]) for w, rs in _reports().items() for rep in rs)
-    assert _failures("reference") == []
-
-
-def test_every_algorithm_returns_bitwise_what_naive_returns_with_and_without_out():
-    assert _failures("naive") == []
-
-
-def test_pipe_started_inter_first_then_intra_into_one_buffer_matches_naive():
-    assert _failures("parts") == []
-
-
-def test_two_transfers_in_flight_at_once_both_arrive_intact():
-    assert _failures("flight") == []
-
-
-def test_wrong_splits_length_or_negative_split_raises_value_error_naming_the_value():
-    for world, reps in _reports().items():
-        errors = reps[0]["errors"]
-        for n in ALGOS:
-            assert f"got {world - 1} and {world}" in errors[(n, "length")], (n, errors)
-            assert "-1" in errors[(n, "negative")], (n, errors)
-        assert "'net'" in errors[("pipe", "link")]
+@pytest.mark.parametrize("world,rpn", LAYOUT_PARAMS, ids=lambda v: str(v))
+def test_wrong_splits_length_or_negative_split_raises_value_error_naming_the_value(
+    ranks, world, rpn
+):
+    errors = ranks(world).run(_in_flight_and_errors, rpn)[0]["errors"]
+    for n in ALGOS:
+        assert f"got {world - 1} and {world}" in errors[(n, "length")], (n, errors)
+        assert "-1" in errors[(n, "negative")], (n, errors)
+    assert "'net'" in errors[("pipe", "link")]
 
 
 def test_a_user_algorithm_registered_outside_the_package_is_built_by_name(plugin):

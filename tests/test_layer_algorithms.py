@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_cases import check_against_reference
@@ -13,7 +14,6 @@ from schemoe import (
     ParallelConfig,
     ScheduleConfig,
 )
-from schemoe._dist import spawn
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
 POLICIES = ("sequential", "tutel", "schemoe", "fastermoe")
@@ -29,20 +29,20 @@ def cfg(policy, r, algorithm, f):
     )
 
 
-def _all(rank, world):
-    tokens = [23 + 5 * r for r in range(world)]
-    for f in (1.0, 0.0):
-        for policy in POLICIES:
-            r = 2 if policy == "fastermoe" else 3
-            base = check_against_reference(cfg(policy, r, "naive", f), tokens, seed=4)
-            for algo in ALGOS[1:]:
-                got = check_against_reference(cfg(policy, r, algo, f), tokens, seed=4)
-                assert torch.equal(got["y"], base["y"]), (algo, policy, f)
-                assert torch.equal(got["gx"], base["gx"]), (algo, policy, f)
-                for n in base["grads"]:
-                    assert torch.equal(got["grads"][n], base["grads"][n]), (algo, policy, n)
+def _against_naive(rank, world, policy, f):
+    tokens = [23 + 5 * q for q in range(world)]
+    r = 2 if policy == "fastermoe" else 3
+    base = check_against_reference(cfg(policy, r, "naive", f), tokens, seed=4)
+    for algo in ALGOS[1:]:
+        got = check_against_reference(cfg(policy, r, algo, f), tokens, seed=4)
+        assert torch.equal(got["y"], base["y"]), (algo, policy, f)
+        assert torch.equal(got["gx"], base["gx"]), (algo, policy, f)
+        for n in base["grads"]:
+            assert torch.equal(got["grads"][n], base["grads"][n]), (algo, policy, n)
     return True
 
 
-def test_every_algorithm_under_every_policy_matches_naive_bitwise_on_2x2():
-    assert all(spawn(_all, 4, timeout=300))
+@pytest.mark.parametrize("f", [1.0, 0.0], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_algorithm_under_every_policy_matches_naive_bitwise_on_2x2(ranks, policy, f):
+    assert all(ranks(4).run(_against_naive, policy, f))

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from moe_cases import check_against_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig
-from schemoe._dist import spawn
 
 E, M, H = 8, 12, 20
 
@@ -22,41 +19,61 @@ def cfg(k, f, **gate):
     )
 
 
-def _grid(rank, world):
-    tokens = [13 + 7 * r for r in range(world)]  # uneven, nothing divides them
-    n = 0
-    for k, f in itertools.product((1, 2, 4), (0.0, 0.5, 1.0, 1.25)):
-        check_against_reference(cfg(k, f), tokens, seed=100 + n)
-        n += 1
-    # activations, biases, score priority, no renormalisation
-    check_against_reference(cfg(2, 1.0, activation="relu", bias=True), tokens, seed=1)
-    check_against_reference(cfg(2, 0.5, activation="swiglu", priority="score"), tokens, seed=2)
-    check_against_reference(cfg(1, 1.25, renormalize=False, priority="score"), tokens, seed=3)
-    return n
+GRID = [(k, f) for k in (1, 2, 4) for f in (0.0, 0.5, 1.0, 1.25)]
+# activations, biases, score priority, no renormalisation
+VARIANTS = [
+    (2, 1.0, {"activation": "relu", "bias": True}),
+    (2, 0.5, {"activation": "swiglu", "priority": "score"}),
+    (1, 1.25, {"renormalize": False, "priority": "score"}),
+]
 
 
-def _edge_cases(rank, world):
-    tokens = [11 + 5 * r for r in range(world)]
-    # The experts of the last rank never get a token: that rank's tokens all go elsewhere and its
-    # experts receive nothing (positive inputs, negative gate rows).
-    dead = range(E - E // world, E) if world > 1 else (0,)
-    for f in (0.0, 1.0):
-        check_against_reference(cfg(2, f), tokens, seed=7, positive=True, dead_experts=dead)
-    # A rank with no tokens at all takes part without hanging.
-    empty = [0] + tokens[1:] if world > 1 else [0]
-    for f in (0.0, 1.25):
-        check_against_reference(cfg(2, f), empty, seed=8)
+def _one(rank, world, k, f, gate, seed):
+    tokens = [13 + 7 * q for q in range(world)]  # uneven, nothing divides them
+    check_against_reference(cfg(k, f, **gate), tokens, seed=seed)
     return True
 
 
+@pytest.mark.parametrize("n", range(len(GRID)), ids=lambda n: "k{}-f{}".format(*GRID[n]))
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_layer_matches_reference_for_every_k_and_capacity(world):
-    assert spawn(_grid, world, timeout=240) == [12] * world
+def test_layer_matches_reference_for_every_k_and_capacity(ranks, world, n):
+    k, f = GRID[n]
+    assert all(ranks(world).run(_one, k, f, {}, 100 + n))
 
 
+@pytest.mark.parametrize("n", range(len(VARIANTS)))
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_layer_matches_reference_for_activations_biases_and_priorities(ranks, world, n):
+    k, f, gate = VARIANTS[n]
+    assert all(ranks(world).run(_one, k, f, gate, 1 + n))
+
+
+def _dead_experts(rank, world, f):
+    # The experts of the last rank never get a token: that rank's tokens all go elsewhere and its
+    # experts receive nothing (positive inputs, negative gate rows).
+    tokens = [11 + 5 * q for q in range(world)]
+    dead = range(E - E // world, E) if world > 1 else (0,)
+    check_against_reference(cfg(2, f), tokens, seed=7, positive=True, dead_experts=dead)
+    return True
+
+
+def _idle_rank(rank, world, f):
+    # A rank with no tokens at all takes part without hanging.
+    tokens = [0] + [11 + 5 * q for q in range(1, world)]
+    check_against_reference(cfg(2, f), tokens, seed=8)
+    return True
+
+
+@pytest.mark.parametrize("f", [0.0, 1.0])
 @pytest.mark.parametrize("world", [2, 4])
-def test_layer_handles_empty_experts_idle_ranks_and_empty_batches(world):
-    assert all(spawn(_edge_cases, world, timeout=180))
+def test_experts_that_get_no_token_still_match_the_reference(ranks, world, f):
+    assert all(ranks(world).run(_dead_experts, f))
+
+
+@pytest.mark.parametrize("f", [0.0, 1.25])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_with_an_empty_batch_takes_part_and_matches_the_reference(ranks, world, f):
+    assert all(ranks(world).run(_idle_rank, f))
 
 
 def test_layer_matches_reference_without_torch_distributed():

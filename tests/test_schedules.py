@@ -8,7 +8,6 @@ from conftest import registered
 
 from moe_cases import check_against_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig
-from schemoe._dist import spawn
 from schemoe.scheduling import (
     POLICIES,
     Policy,
@@ -32,26 +31,35 @@ def cfg(policy, r, f=1.0, k=2):
     )
 
 
-def _invariance(rank, world):
-    tokens = [29 + 6 * r for r in range(world)]
-    for f in (1.0, 0.0):  # capacity and dropless
-        for r in (1, 2, 3, 4, 8):
-            base = check_against_reference(cfg("sequential", r, f), tokens, seed=r)
-            for policy in CAPACITY_POLICIES[1:]:
-                got = check_against_reference(cfg(policy, r, f), tokens, seed=r)
-                # Same arithmetic, only the task order differs: bitwise equal.
-                assert torch.equal(got["y"], base["y"]), (policy, r, f)
-                assert torch.equal(got["gx"], base["gx"]), (policy, r, f)
-                for n in base["grads"]:
-                    assert torch.equal(got["grads"][n], base["grads"][n]), (policy, r, f, n)
-        for r in range(1, world + 1):  # peer groups: at most one per rank
-            check_against_reference(cfg("fastermoe", r, f), tokens, seed=r)
+def _invariance(rank, world, f, r):
+    tokens = [29 + 6 * q for q in range(world)]
+    base = check_against_reference(cfg("sequential", r, f), tokens, seed=r)
+    for policy in CAPACITY_POLICIES[1:]:
+        got = check_against_reference(cfg(policy, r, f), tokens, seed=r)
+        # Same arithmetic, only the task order differs: bitwise equal.
+        assert torch.equal(got["y"], base["y"]), (policy, r, f)
+        assert torch.equal(got["gx"], base["gx"]), (policy, r, f)
+        for n in base["grads"]:
+            assert torch.equal(got["grads"][n], base["grads"][n]), (policy, r, f, n)
     return True
 
 
+def _peers(rank, world, f, r):
+    check_against_reference(cfg("fastermoe", r, f), [29 + 6 * q for q in range(world)], seed=r)
+    return True
+
+
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("f", [1.0, 0.0], ids=["capacity", "dropless"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_policy_and_chunk_count_matches_sequential_bitwise_and_the_reference(world):
-    assert all(spawn(_invariance, world, timeout=300))
+def test_every_capacity_policy_matches_sequential_bitwise_and_the_reference(ranks, world, f, r):
+    assert all(ranks(world).run(_invariance, f, r))
+
+
+@pytest.mark.parametrize("f", [1.0, 0.0], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("world,r", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 3), (4, 4)])
+def test_fastermoe_peer_groups_match_the_reference(ranks, world, r, f):
+    assert all(ranks(world).run(_peers, f, r))
 
 
 def test_task_and_schedule_text_round_trip():
@@ -105,8 +113,8 @@ def _user_policy(rank, world):
     return True
 
 
-def test_a_user_registered_policy_runs_forward_and_backward():
-    assert all(spawn(_user_policy, 2, timeout=120))
+def test_a_user_registered_policy_runs_forward_and_backward(ranks):
+    assert all(ranks(2).run(_user_policy))
 
 
 def _tuned(rank, world, policy):
@@ -116,8 +124,8 @@ def _tuned(rank, world, policy):
 
 
 @pytest.mark.parametrize("policy", ["auto", "search"])
-def test_tuned_layers_agree_across_ranks_and_match_the_reference(policy):
-    assert all(spawn(_tuned, 2, policy, timeout=180))
+def test_tuned_layers_agree_across_ranks_and_match_the_reference(ranks, policy):
+    assert all(ranks(2).run(_tuned, policy))
 
 
 def test_a_policy_registered_for_a_test_is_gone_after_it():
