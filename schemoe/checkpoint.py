@@ -330,7 +330,7 @@ def _load_optimizer(
         if keys[0][1] is None:
             entry.update({k: v.clone() for k, v in rows[0].items()})
         else:
-            entry.update({k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+            entry.update({k: torch.stack([row[k] for row in rows]) for k in rows[0]})
         if entry:
             state[idx] = entry
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})

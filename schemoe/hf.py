@@ -6,7 +6,7 @@ models for MoELayer (expert-parallel, scheduled), weights copied, same math.
     replace_moe_blocks(model, group=None)                # each rank keeps E / P experts
     model = DDP(ddp_ignore_experts(model))               # dense weights data-parallel
 
-Legend: T tokens, D hidden size, E experts, I expert intermediate size, k experts per token.
+Legend: T tokens, M model dim (HF's hidden size), E experts, I expert intermediate size, k experts per token.
 
 The math of the blocks in transformers 5.x (checked against 5.24), and how it maps:
 - Router: logits = x W_g^T, probs = softmax(logits in fp32), top-k of probs; Mixtral always
@@ -14,8 +14,8 @@ The math of the blocks in transformers 5.x (checked against 5.24), and how it ma
   (softmax, then top-k, then optional renormalisation, in fp32) -> GateConfig(renormalize=...).
   Every token is kept: capacity_factor=0 (dropless). No load-balancing loss inside MoELayer: the
   HF model computes its own from the router logits.
-- Experts: gate_up_proj [E, 2I, D], down_proj [E, D, I]; y_e = down (silu(gate x) * (up x)):
-  ExpertConfig(activation="swiglu") with w1 = gate^T [E, D, I], w3 = up^T, w2 = down^T [E, I, D].
+- Experts: gate_up_proj [E, 2I, M], down_proj [E, M, I]; y_e = down (silu(gate x) * (up x)):
+  ExpertConfig(activation="swiglu") with w1 = gate^T [E, M, I], w3 = up^T, w2 = down^T [E, I, M].
 - Qwen2-MoE's shared expert: y += sigmoid(x W_s^T) * shared_mlp(x); kept as a dense side branch
   (the original modules) in the wrapper.
 - Mixtral's router jitter (training only): x *= U(1 - j, 1 + j), applied first, as HF does.
@@ -23,7 +23,7 @@ The math of the blocks in transformers 5.x (checked against 5.24), and how it ma
 In 5.x a block returns the hidden states only; the model collects router logits (for
 `output_router_logits` and its aux loss) with forward hooks on its router class. The wrapper
 therefore keeps the original router module, its weight tied to MoELayer's gate_weight, and calls
-it once per forward: one extra [T, D] x [D, E] product, under 1% of the experts' 6kTDI FLOPs.
+it once per forward: one extra [T, M] x [M, E] product, under 1% of the experts' 6kTMI FLOPs.
 Older layouts (transformers 4.x: per-expert nn.Linear modules, blocks returning
 (hidden, router_logits)) are refused with a TypeError rather than guessed.
 """
@@ -61,13 +61,13 @@ def to_schemoe_experts(gate_up_EID: torch.Tensor, down_EDI: torch.Tensor) -> dic
 
 
 class HFMoEBlock(nn.Module):
-    """A sparse MoE block of an HF model, computed by MoELayer. forward(x [B, L, D]) -> [B, L, D].
+    """A sparse MoE block of an HF model, computed by MoELayer. forward(x [B, L, M]) -> [B, L, M].
 
     Args:
         moe: the MoELayer (dropless, swiglu, gate_weight tied to `router.weight`).
         router: the model's original router module (called for the router-logit hooks).
         jitter: Mixtral's router_jitter_noise.
-        shared, shared_gate: Qwen2-MoE's shared expert MLP and its [D -> 1] gate, or None.
+        shared, shared_gate: Qwen2-MoE's shared expert MLP and its [M -> 1] gate, or None.
     """
 
     def __init__(
@@ -84,16 +84,16 @@ class HFMoEBlock(nn.Module):
         self.shared_expert, self.shared_expert_gate = shared, shared_gate
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        B, L, D = hidden_states.shape
+        B, L, M = hidden_states.shape
         x = hidden_states
         if self.training and self.jitter > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        x_TD = x.reshape(-1, D)
-        self.gate(x_TD)  # only for the model's router-logit hooks (output_router_logits)
-        y_TD, _ = self.moe(x_TD)  # aux is 0: the HF model adds its own balancing loss
+        x_TM = x.reshape(-1, M)
+        self.gate(x_TM)  # only for the model's router-logit hooks (output_router_logits)
+        y_TM, _ = self.moe(x_TM)  # aux is 0: the HF model adds its own balancing loss
         if self.shared_expert is not None:
-            y_TD = y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
-        return y_TD.view(B, L, D)
+            y_TM = y_TM + torch.sigmoid(self.shared_expert_gate(x_TM)) * self.shared_expert(x_TM)
+        return y_TM.view(B, L, M)
 
 
 def _check_layout(block: nn.Module) -> None:
@@ -130,7 +130,7 @@ def from_hf_block(
     this rank keeps the experts of its slice of `group` (None: the default group)."""
     _check_layout(block)
     gate, ex = block.gate, block.experts
-    E, D = gate.weight.shape
+    E, M = gate.weight.shape
     renorm = SUPPORTED[type(block).__name__]
     if renorm is None:
         renorm = bool(gate.norm_topk_prob)
@@ -142,7 +142,7 @@ def from_hf_block(
             renormalize=renorm,
             aux_loss_weight=0.0,
         ),
-        experts=ExpertConfig(model_dim=D, hidden_dim=ex.down_proj.shape[-1], activation="swiglu"),
+        experts=ExpertConfig(model_dim=M, hidden_dim=ex.down_proj.shape[-1], activation="swiglu"),
         parallel=parallel or ParallelConfig(),
         schedule=schedule or ScheduleConfig(),
         collective=collective or CollectiveConfig(),

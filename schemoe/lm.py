@@ -1,6 +1,6 @@
 """A small GPT-style language model with MoE FFNs, for `schemoe train` and the examples.
 
-Legend: B batch, L sequence length, D model dim, V vocabulary.
+Legend: B batch, L sequence length, M model dim, V vocabulary.
 
 Also the data side of `schemoe train`: the byte-level corpus, training batches and the held-out
 windows of the eval loss.
@@ -50,13 +50,13 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        B, L, D = x_BLD.shape
-        q, k, v = self.qkv(x_BLD).view(B, L, 3, self.heads, D // self.heads).unbind(2)
+    def forward(self, x_BLM: torch.Tensor) -> torch.Tensor:
+        B, L, M = x_BLM.shape
+        q, k, v = self.qkv(x_BLM).view(B, L, 3, self.heads, M // self.heads).unbind(2)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.proj(o.transpose(1, 2).reshape(B, L, D))
+        return self.proj(o.transpose(1, 2).reshape(B, L, M))
 
 
 class _Block(nn.Module):
@@ -80,10 +80,10 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, *, group=None, seed: int = 0) -> None:
         super().__init__()
-        D = moe.experts.model_dim
+        M = moe.experts.model_dim
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, D)
-        self.pos = nn.Parameter(torch.zeros(cfg.seq_len, D))
+        self.embed = nn.Embedding(cfg.vocab, M)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq_len, M))
         blocks = []
         for i in range(cfg.layers):
             is_moe = (i + 1) % cfg.moe_every == 0
@@ -91,10 +91,10 @@ class GPT(nn.Module):
                 ffn: nn.Module = MoELayer(moe, group=group, seed=seed * 1000 + i)
             else:
                 H = moe.experts.hidden_dim
-                ffn = nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D))
-            blocks.append(_Block(D, cfg.heads, ffn, is_moe))
+                ffn = nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M))
+            blocks.append(_Block(M, cfg.heads, ffn, is_moe))
         self.blocks = nn.ModuleList(blocks)
-        self.ln_f = nn.LayerNorm(D)
+        self.ln_f = nn.LayerNorm(M)
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
 

@@ -82,15 +82,15 @@ class Topology:
     def local_rank(self) -> int:
         return self.rank % self.ranks_per_node
 
-    def node_of(self, r: int) -> int:
-        return r // self.ranks_per_node
+    def node_of(self, q: int) -> int:
+        return q // self.ranks_per_node
 
-    def same_node(self, r: int) -> bool:
-        return self.node_of(r) == self.node
+    def same_node(self, q: int) -> bool:
+        return self.node_of(q) == self.node
 
-    def global_rank(self, r: int) -> int:
-        """Rank `r` of this topology's group as a rank of the default group."""
-        return r if self.group is None else dist.get_global_rank(self.group, r)
+    def global_rank(self, q: int) -> int:
+        """Rank `q` of this topology's group as a rank of the default group."""
+        return q if self.group is None else dist.get_global_rank(self.group, q)
 
     def subgroup(self, ranks: tuple[int, ...], tag: str = "") -> Any:
         """The cached process group of `ranks` (ranks of this topology's group). Collective.
@@ -99,7 +99,7 @@ class Topology:
         run at the same time (each process group has its own worker and ordering)."""
         return per_world(
             ("subgroup", self.group, tuple(ranks), tag),
-            lambda: dist.new_group([self.global_rank(r) for r in ranks], timeout=self.timeout()),
+            lambda: dist.new_group([self.global_rank(q) for q in ranks], timeout=self.timeout()),
         )
 
     def timeout(self) -> datetime.timedelta | None:

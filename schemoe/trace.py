@@ -137,7 +137,7 @@ def gantt(events: list[Event], path: str, title: str = "") -> None:
     rows = sorted(
         {(e.rank, e.resource) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1])
     )
-    index = {r: i for i, r in enumerate(rows)}
+    index = {row: i for i, row in enumerate(rows)}
     colors = {"C": "#8fbc8f", "A": "#4682b4", "D": "#daa520", "E": "#cd5c5c"}
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2))
     for e in events:

@@ -78,7 +78,7 @@ CHUNK_VALUES = 1 << 18
 def row_chunks(rows: int, cols: int) -> list[slice]:
     """Row slices covering 0..rows, each about CHUNK_VALUES values (at least one row)."""
     step = max(1, CHUNK_VALUES // max(cols, 1))
-    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 def check_input(name: str, x: torch.Tensor) -> torch.Tensor:

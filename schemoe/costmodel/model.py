@@ -1,13 +1,13 @@
 """Per-task cost functions: pure functions of a `Hardware` record and a layer shape.
 
-Legend: P ranks, M ranks per node (the ScheMoE paper's M; `model_dim` is the model width), N = P / M
-nodes, S bytes a rank sends in one all-to-all, E experts, El = E / P, C capacity rows per expert
-per rank, D model dim, H hidden dim, b bytes per element.
+Legend: P ranks, R ranks per node (the ScheMoE paper's M), P / R nodes, S bytes a rank sends in
+one all-to-all, E experts, El = E / P, C capacity rows per expert per rank, M model dim, H hidden
+dim, b bytes per element.
 
 An all-to-all is described by `sends`: sends[o] bytes go from every rank r to rank (r + o) % P
 (the same on every rank; o = 0 is the rank's own rows, a local copy). The capacity partition
 sends S/P to every offset; FasterMoE's peers partition sends to a group of offsets per chunk.
-Node-major ranks: rank r = n * M + l talks to its node when (l + o) % P < M (counted on node 0,
+Node-major ranks: rank q = n * R + l talks to its node when (l + o) % P < R (counted on node 0,
 the same on every node by symmetry).
 
 `CostModel` binds the constants, the shape, the algorithm and the compressors, and turns any
@@ -47,11 +47,11 @@ __all__ = [
 ]
 
 
-def split_bytes(sends: Sequence[float], M: int) -> tuple[list[float], float]:
+def split_bytes(sends: Sequence[float], R: int) -> tuple[list[float], float]:
     """(intra bytes leaving each local rank l, bytes leaving the node over its NIC)."""
     P = len(sends)
-    intra = [sum(s for o, s in enumerate(sends) if o and (l + o) % P < M) for l in range(M)]
-    nic = sum(s for l in range(M) for o, s in enumerate(sends) if (l + o) % P >= M)
+    intra = [sum(s for o, s in enumerate(sends) if o and (l + o) % P < R) for l in range(R)]
+    nic = sum(s for l in range(R) for o, s in enumerate(sends) if (l + o) % P >= R)
     return intra, nic
 
 
@@ -81,33 +81,33 @@ def a2a_hier2d(hw: Hardware, sends: Sequence[float]) -> float:
     """Tutel's 2DH, in phases (collectives/hier2d.py): a split all-gather in the node (alpha),
     an intra-node all-to-all that hands local rank j every row for (any node, j), a local
     permute of all S bytes, an inter-node all-to-all among same-local-rank peers (the NIC moves
-    naive's bytes in N - 1 larger messages):
+    naive's bytes in P / R - 1 larger messages):
 
         t = intra.alpha + intra(S_j) + S / memory + inter(B_nic),  S_j = rows to other locals
     """
-    P, M = len(sends), hw.ranks_per_node
+    P, R = len(sends), hw.ranks_per_node
     total = sum(sends)
     to_other_local = max(
-        sum(s for o, s in enumerate(sends) if (l + o) % P % M != l) for l in range(M)
+        sum(s for o, s in enumerate(sends) if (l + o) % P % R != l) for l in range(R)
     )
-    _, nic = split_bytes(sends, M)
-    split_gather = hw.intra.alpha if M > 1 else 0.0
+    _, nic = split_bytes(sends, R)
+    split_gather = hw.intra.alpha if R > 1 else 0.0
     return split_gather + hw.intra.time(to_other_local) + total / hw.memory + hw.inter.time(nic)
 
 
 def a2a_leader(hw: Hardware, sends: Sequence[float]) -> float:
     """1D hierarchical (collectives/leader.py): a split all-gather, gather to the node leader
-    ((M - 1) S bytes into one rank), two permutes of the node's M S bytes at the leader, one
-    exchange among leaders (naive's NIC bytes), scatter back ((M - 1) S out of the leader):
+    ((R - 1) S bytes into one rank), two permutes of the node's R S bytes at the leader, one
+    exchange among leaders (naive's NIC bytes), scatter back ((R - 1) S out of the leader):
 
-        t = intra.alpha + 2 intra((M - 1) S) + 2 M S / memory + inter(B_nic)
+        t = intra.alpha + 2 intra((R - 1) S) + 2 R S / memory + inter(B_nic)
     """
-    M = hw.ranks_per_node
+    R = hw.ranks_per_node
     total = sum(sends)
-    _, nic = split_bytes(sends, M)
-    local = hw.intra.time((M - 1) * total)
-    split_gather = hw.intra.alpha if M > 1 else 0.0
-    return split_gather + 2 * local + 2 * M * total / hw.memory + hw.inter.time(nic)
+    _, nic = split_bytes(sends, R)
+    local = hw.intra.time((R - 1) * total)
+    split_gather = hw.intra.alpha if R > 1 else 0.0
+    return split_gather + 2 * local + 2 * R * total / hw.memory + hw.inter.time(nic)
 
 
 def a2a_pairwise(hw: Hardware, sends: Sequence[float]) -> float:
@@ -115,15 +115,15 @@ def a2a_pairwise(hw: Hardware, sends: Sequence[float]) -> float:
     rank + o. A step is as slow as its slowest local rank; the k_o local ranks whose step-o peer
     is on another node share the NIC:
 
-        t = sum_o max_l (intra(sends[o]) if (l + o) % P < M else inter(k_o sends[o]))
+        t = sum_o max_l (intra(sends[o]) if (l + o) % P < R else inter(k_o sends[o]))
     """
-    P, M = len(sends), hw.ranks_per_node
+    P, R = len(sends), hw.ranks_per_node
     t = 0.0
     for o in range(1, P):
-        k = sum(1 for l in range(M) if (l + o) % P >= M)
+        k = sum(1 for l in range(R) if (l + o) % P >= R)
         step = [
-            hw.intra.time(sends[o]) if (l + o) % P < M else hw.inter.time(k * sends[o])
-            for l in range(M)
+            hw.intra.time(sends[o]) if (l + o) % P < R else hw.inter.time(k * sends[o])
+            for l in range(R)
         ]
         t += max(step)
     return t
@@ -141,7 +141,7 @@ A2A_MODELS: dict[str, tuple[tuple[str, ...], Callable[[Hardware, Sequence[float]
 
 
 def expert_flops(rows: int, model_dim: int, hidden: int, activation: str = "gelu") -> float:
-    """Forward FLOPs of the batched FFN on `rows` rows: 2 rows D H per GEMM, 2 GEMMs (3 for
+    """Forward FLOPs of the batched FFN on `rows` rows: 2 rows M H per GEMM, 2 GEMMs (3 for
     swiglu). Backward costs twice that (input and weight gradients; Kaplan et al. 2020)."""
     gemms = 3 if activation == "swiglu" else 2
     return 2.0 * rows * model_dim * hidden * gemms
@@ -290,7 +290,7 @@ class CostModel:
     def _durations(self, graph: TaskGraph) -> dict[Task, float]:
         hw, sh = self.hardware, self.shape
         P, r = hw.world, graph.chunks
-        El, C, D, b = sh.experts // P, sh.capacity, sh.model_dim, sh.dtype_bytes
+        El, C, M, b = sh.experts // P, sh.capacity, sh.model_dim, sh.dtype_bytes
         if tuple(graph.links) != self.links:
             raise ValueError(f"graph links {graph.links} are not {self.algorithm}'s {self.links}")
         backward = graph.direction == Direction.BACKWARD
@@ -298,18 +298,18 @@ class CostModel:
         ratio = self._ratio(comp)
         a2a = A2A_MODELS[self.algorithm][1]
         permute = P > 1 and El > 1
-        weights = El * D * sh.hidden_dim * (3 if sh.activation == "swiglu" else 2) * b
+        weights = El * M * sh.hidden_dim * (3 if sh.activation == "swiglu" else 2) * b
         out: dict[Task, float] = {}
         for i in range(r):
             if graph.partition == Partition.PEERS:
                 lo, hi = P * i // r, P * (i + 1) // r
-                pair = [El * C * D * b if lo <= o < hi else 0.0 for o in range(P)]
+                pair = [El * C * M * b if lo <= o < hi else 0.0 for o in range(P)]
                 gathered = True
             else:
-                pair = [El * _part(C, i, r) * D * b] * P
+                pair = [El * _part(C, i, r) * M * b] * P
                 gathered = r > 1
             raw = sum(pair)
-            rows = raw / (D * b)
+            rows = raw / (M * b)
             links = a2a(hw, [s * ratio for s in pair])
             enc, dec = codec_time(hw, comp, raw), codec_time(hw, comp, raw, decode=True)
             mv = copy_time(hw, raw)
@@ -319,7 +319,7 @@ class CostModel:
             # are added into them (scheduling/autograd.py: read both, write one).
             wgrad = weights * (0 if i == 0 else 3)
             out[Task("E", 0, i)] = expert_time(
-                hw, int(rows), D, sh.hidden_dim, sh.activation, backward, wgrad
+                hw, int(rows), M, sh.hidden_dim, sh.activation, backward, wgrad
             )
             out[Task("C", 2, i)] = enc + (mv if permute else 0.0)
             out[Task("D", 2, i)] = dec + (mv if gathered else 0.0)
@@ -330,8 +330,8 @@ class CostModel:
 
     def outside(self) -> float:
         """Seconds of one step outside the scheduled region: the router's GEMM forward and
-        backward (3 x 2 T D E FLOPs), the layout's row copies (encode, decode and their
-        gradients: ~8 E C D b bytes), the blocking counts exchange (one alpha of the slowest
+        backward (3 x 2 T M E FLOPs), the layout's row copies (encode, decode and their
+        gradients: ~8 E C M b bytes), the blocking counts exchange (one alpha of the slowest
         link class) and the fitted fixed cost per step."""
         hw, sh = self.hardware, self.shape
         gate = 3 * 2.0 * sh.tokens * sh.model_dim * sh.experts / hw.flops

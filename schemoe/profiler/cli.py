@@ -182,10 +182,10 @@ def _simulate(args: argparse.Namespace) -> int:
         f"C={shape.capacity}, budget {args.budget}, attention {dense * 1e3:.3f} ms/layer"
     )
     print(f"{'policy':>10} {'algorithm':>9} {'compressor':>10} {'r':>2} {'step ms':>10}")
-    for r in rows:
+    for row in rows:
         print(
-            f"{r['policy']:>10} {r['algorithm']:>9} {r['compressor']:>10} {r['chunks']:>2} "
-            f"{r['predicted_ms']:>10.3f}"
+            f"{row['policy']:>10} {row['algorithm']:>9} {row['compressor']:>10} "
+            f"{row['chunks']:>2} {row['predicted_ms']:>10.3f}"
         )
     chosen_ms = round(args.layers * (chosen.step_s + dense) * 1e3, 3)
     out = {
@@ -196,12 +196,12 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"chosen: {out['chosen']}")
     if args.systems:
         out["systems"] = _systems(hw, shape, args.layers, dense)
-        for r in out["systems"]:
-            print(f"as shipped: {r}")
+        for row in out["systems"]:
+            print(f"as shipped: {row}")
     if args.ablation:
         out["ablation"] = _ablation(hw, shape, args.layers, dense)
-        for r in out["ablation"]:
-            print(f"ablation: {r}")
+        for row in out["ablation"]:
+            print(f"ablation: {row}")
     if args.png:
         events: list = []
         predict(
@@ -240,7 +240,9 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
     # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
     rows = summary["results"]
     return config, [
-        r for r in rows if r["algorithm"] in A2A_MODELS and not r["policy"].startswith("auto")
+        row
+        for row in rows
+        if row["algorithm"] in A2A_MODELS and not row["policy"].startswith("auto")
     ]
 
 
@@ -254,8 +256,8 @@ def _validate(args: argparse.Namespace) -> int:
         hw = profiles.load(None, None, path=prof or args.profile)
         if hw is None:
             raise ValueError(f"no profile in {prof or args.profile}")
-        for r in rows:
-            fwd, _, bwd = r["compressor"].partition("/")
+        for row in rows:
+            fwd, _, bwd = row["compressor"].partition("/")
             moe = c.MoEConfig(
                 gate=c.GateConfig(
                     num_experts=int(cfg["experts"]),
@@ -265,19 +267,19 @@ def _validate(args: argparse.Namespace) -> int:
                 experts=c.ExpertConfig(
                     model_dim=int(cfg["model_dim"]), hidden_dim=int(cfg["hidden"])
                 ),
-                schedule=c.ScheduleConfig(policy=r["policy"], chunks=int(r["chunks"])),
-                collective=c.CollectiveConfig(algorithm=r["algorithm"]),
+                schedule=c.ScheduleConfig(policy=row["policy"], chunks=int(row["chunks"])),
+                collective=c.CollectiveConfig(algorithm=row["algorithm"]),
                 compression=c.CompressionConfig(forward=fwd, backward=bwd or fwd),
             )
             pred = predict_config(moe, int(cfg["tokens"]), hw).step_s * 1e3
-            err = (pred - r["median_ms"]) / r["median_ms"]
+            err = (pred - row["median_ms"]) / row["median_ms"]
             points.append(
                 {
-                    **{k: r[k] for k in ("policy", "algorithm", "compressor", "chunks")},
+                    **{k: row[k] for k in ("policy", "algorithm", "compressor", "chunks")},
                     "tokens": int(cfg["tokens"]),
                     "model_dim": int(cfg["model_dim"]),
                     "hidden": int(cfg["hidden"]),
-                    "measured_ms": round(r["median_ms"], 2),
+                    "measured_ms": round(row["median_ms"], 2),
                     "predicted_ms": round(pred, 2),
                     "error": round(err, 4),
                 }
