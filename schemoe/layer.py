@@ -28,6 +28,7 @@ from .experts import BatchedFFN, ModuleExperts
 from .gating import load_balancing_loss, route, router_z_loss, update_balance_bias
 from .region import Region, run_region
 from .scheduling import POLICIES, Direction, TaskGraph, make_schedule
+from .scheduling.background import Background
 from .topology import Topology
 
 __all__ = ["NEEDS_TUNER", "MoELayer"]
@@ -78,6 +79,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {P}")
         self.num_local = E // P
         self._running: MoEConfig | None = None
+        # Low-priority transfers (a scheduled gradient sync's buckets) this layer's region posts
+        # into its idle network time; set by whoever owns them (schemoe.gradsync.GradSync).
+        self.background: Background | None = None
         if config.schedule.policy not in NEEDS_TUNER:
             self.configure(config)
 
@@ -201,6 +205,7 @@ class MoELayer(nn.Module):
             self.experts,
             self._schedules[Direction.FORWARD],
             self._schedules[Direction.BACKWARD],
+            self.background,
         )
         out_NM = run_region(region, rows_NM)
         # 4. Weighted sum back in token order.

@@ -23,6 +23,7 @@ from torch import nn
 from . import trace
 from .layout import Chunk
 from .scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
+from .scheduling.background import Background
 
 __all__ = ["Region", "run_region"]
 
@@ -39,6 +40,7 @@ class Region:
     experts: nn.Module
     forward: tuple[TaskGraph, Schedule]
     backward: tuple[TaskGraph, Schedule]
+    background: Background | None = None  # gradient buckets to post into idle network time
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -155,7 +157,7 @@ class _RegionFn(torch.autograd.Function):
 
         runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
         graph, sched = region.backward
-        execute(sched, graph, runner, trace.active("backward"))
+        execute(sched, graph, runner, trace.active("backward"), region.background)
         grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
         return (None, runner.result(), *grad_params)
 
@@ -163,7 +165,7 @@ class _RegionFn(torch.autograd.Function):
 def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:
     runner = _Runner(region, rows_NM, region.forward_compressor, expert_fn)
     graph, sched = region.forward
-    execute(sched, graph, runner, trace.active("forward"))
+    execute(sched, graph, runner, trace.active("forward"), region.background)
     return runner.result()
 
 

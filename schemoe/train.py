@@ -41,6 +41,7 @@ from .config import (
     ParallelConfig,
     ScheduleConfig,
 )
+from .gradsync import COMPRESS, GRAD_SYNCS, SYNCS, data_parallel
 from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
 from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
@@ -192,13 +193,16 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         seed=a.seed,
     )
     torch.manual_seed(a.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
-    model = (
-        core
-        if world == 1
-        else nn.parallel.DistributedDataParallel(  # buffers (the expert
-            ddp_ignore_experts(core), broadcast_buffers=False
+    model = core
+    if world > 1:  # buffers (the expert bias) have their own all-reduce: broadcast_buffers off
+        model, _ = data_parallel(
+            ddp_ignore_experts(core),
+            sync=a.grad_sync,
+            compress=a.grad_compress,
+            algorithm=a.grad_algorithm,
+            bucket_mb=a.bucket_mb if a.bucket_mb else (25.0 if a.grad_sync == "ddp" else 1.0),
+            ranks_per_node=a.ranks_per_node,
         )
-    )  # bias) have their own all-reduce
     opt = _optimizer(core, a)
     g = torch.Generator().manual_seed(a.seed * 7919 + rank)
     moe = [m for m in core.modules() if isinstance(m, MoELayer)]
@@ -395,6 +399,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o("--seed", type=int, default=0)
     o("--corpus", default=None, help="text file or folder (default: Python stdlib)")
     o("--corpus-bytes", type=int, default=4_000_000)
+    s = p.add_argument_group("gradient synchronisation (dense weights)").add_argument
+    s("--grad-sync", default="ddp", choices=SYNCS,
+      help="ddp: DDP's all-reduce; scheduled: buckets posted into idle network time")
+    s("--grad-compress", default="none", choices=sorted(COMPRESS),
+      help="bucket dtype on the wire (ddp: torch's bf16/fp16 compress hooks)")
+    s("--grad-algorithm", default="flat", choices=GRAD_SYNCS.names(),
+      help="scheduled: flat all-reduce, or hier (node reduce, leaders, node broadcast)")
+    s("--bucket-mb", type=float, default=None,
+      help="DDP bucket size in MiB (default 25 with ddp, 1 with scheduled)")  # fmt: skip
     r = p.add_argument_group("checkpoints, output, failures").add_argument
     r("--save", default=None, metavar="DIR", help="checkpoint folder (written at the end)")
     r("--save-every", type=int, default=0, help="also save every n steps")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from .background import Background
 from .tasks import Schedule, Task, TaskGraph, walk
 
 __all__ = ["TaskRunner", "execute"]
@@ -38,9 +39,18 @@ def _completed(pending: Any) -> bool:
     return bool(probe()) if probe is not None else False
 
 
-def execute(schedule: Schedule, graph: TaskGraph, runner: TaskRunner, tracer=None) -> None:
+def execute(
+    schedule: Schedule,
+    graph: TaskGraph,
+    runner: TaskRunner,
+    tracer=None,
+    background: Background | None = None,
+) -> None:
     """Execute every task of `graph` in the order `schedule` gives (checked beforehand), posting
-    transfers under the issue rule (`walk`) and waiting on one only where a task consumes it."""
+    transfers under the issue rule (`walk`) and waiting on one only where a task consumes it.
+
+    `background`: low-priority transfers (gradient buckets) to post whenever none of this
+    schedule's transfers is in flight (scheduling/background.py)."""
     inflight: dict[Task, Any] = {}
     started: dict[Task, float] = {}
 
@@ -49,22 +59,34 @@ def execute(schedule: Schedule, graph: TaskGraph, runner: TaskRunner, tracer=Non
         if tracer is not None:
             tracer.record(t, started[t], time.perf_counter())
         runner.finish(t, result)
+        if background is not None:
+            background.busy -= 1
 
-    for issued, t in walk(schedule, graph):
-        for a in issued:
-            started[a] = time.perf_counter()
-            inflight[a] = runner.start(a)
-        if t is None:
-            break
-        for d in graph.deps[t]:
-            if d in inflight:
-                land(d)
-        t0 = time.perf_counter()
-        runner.run(t)
-        if tracer is not None:
-            tracer.record(t, t0, time.perf_counter())
-            # Transfers that finished while we computed get a truthful end time.
-            for d in [d for d, p in inflight.items() if _completed(p)]:
-                land(d)
-    for d in list(inflight):
-        land(d)
+    try:
+        for issued, t in walk(schedule, graph):
+            for a in issued:
+                started[a] = time.perf_counter()
+                if background is not None:
+                    background.busy += 1
+                inflight[a] = runner.start(a)
+            if t is None:
+                break
+            for d in graph.deps[t]:
+                if d in inflight:
+                    land(d)
+            t0 = time.perf_counter()
+            runner.run(t)
+            if tracer is not None:
+                tracer.record(t, t0, time.perf_counter())
+            if tracer is not None or background is not None:
+                # Transfers that finished while we computed: a truthful end time, a free link.
+                for d in [d for d, p in inflight.items() if _completed(p)]:
+                    land(d)
+            if background is not None:
+                background.pump()
+        for d in list(inflight):
+            land(d)
+    finally:
+        if background is not None:
+            background.busy -= len(inflight)
+            background.pump()

@@ -1,0 +1,219 @@
+"""Scheduled gradient synchronisation: DDP's dense-gradient buckets as low-priority network tasks.
+
+    model = DDP(ddp_ignore_experts(model), bucket_cap_mb=1)
+    sync = GradSync(model, algorithm="hier", compress="bf16")   # a DDP comm hook
+
+DDP keeps doing what it does well (buckets in gradient-ready order, the reducer's bookkeeping);
+its comm hook, PyTorch's seam for this, hands each bucket to a `Background` queue instead of
+all-reducing it at once. The MoE layers of the model are handed the same queue, so their
+scheduled regions post buckets only into idle network time: a bucket goes out when no all-to-all
+of a region is in flight and fewer than `window` buckets are in flight; the last bucket of the
+backward posts and waits for every bucket left (`flush`), so all are done before the optimizer.
+The all-reduces run on their own communicator, never behind the all-to-alls in one queue.
+
+Algorithms (GRAD_SYNCS, plug-ins): `flat`, one all-reduce over the world; `hier`, a reduce to
+each node's first rank, an all-reduce among those ranks (one flow per node crosses the network:
+(P/R - 1)/(P/R) of the bytes instead of (P - 1)/P of them, R ranks per node) and a broadcast
+back inside each node. Compression (`compress`): "none", or "bf16" / "fp16": the bucket is cast,
+divided by the world size, all-reduced in that dtype and cast back, the same arithmetic as
+torch's bf16_compress_hook / fp16_compress_hook; per-element error after the sum: each of the
+P addends and every partial sum rounds to 8 (bf16) or 11 (fp16) significant bits, so the relative
+error of an element is at most about (P + 1) 2^-8 (bf16) or (P + 1) 2^-11 (fp16) of the largest
+addend's magnitude.
+
+On gloo `hier`'s three phases run on one comm thread in bucket order (each phase waits for the
+one before); on NCCL they would be enqueued from the calling thread on the communicators' streams
+(not yet run on CUDA: the CUDA branch raises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .collectives import Done
+from .collectives._common import CommThread
+from .layer import MoELayer
+from .registry import Registry
+from .scheduling.background import Background
+from .topology import Topology
+
+__all__ = ["COMPRESS", "GRAD_SYNCS", "SYNCS", "Flat", "GradSync", "Hier", "data_parallel"]
+
+GRAD_SYNCS: Registry[type] = Registry("gradient sync algorithm")
+COMPRESS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Work:
+    """A torch Work as a Pending (wait -> the tensor, is_completed)."""
+
+    def __init__(self, work, t: torch.Tensor) -> None:
+        self.work, self.t = work, t
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.t
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@GRAD_SYNCS.register("flat")
+class Flat:
+    """One all-reduce (sum) over the world, on the sync's own communicator."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.group = topology.subgroup(tuple(range(topology.world)), tag="gradsync")
+
+    def start(self, t: torch.Tensor) -> Any:
+        return _Work(dist.all_reduce(t, group=self.group, async_op=True), t)
+
+
+@GRAD_SYNCS.register("hier")
+class Hier:
+    """Reduce to each node's first rank, all-reduce among those ranks, broadcast in the node."""
+
+    def __init__(self, topology: Topology) -> None:
+        R, nodes = topology.ranks_per_node, topology.nodes
+        # new_group is collective: every rank creates every group, in the same order.
+        node_groups = [
+            topology.subgroup(tuple(range(n * R, (n + 1) * R)), tag="gradsync-node")
+            for n in range(nodes)
+        ]
+        leaders = topology.subgroup(tuple(range(0, topology.world, R)), tag="gradsync-leaders")
+        self.topo, self.node_group = topology, node_groups[topology.node]
+        self.leaders = leaders if topology.local_rank == 0 else None
+        self.leader = topology.global_rank(topology.node * R)
+        self._thread = CommThread("gradsync")
+
+    def _run(self, t: torch.Tensor) -> torch.Tensor:
+        R = self.topo.ranks_per_node
+        if R > 1:
+            dist.reduce(t, self.leader, group=self.node_group)
+        if self.leaders is not None and self.topo.nodes > 1:
+            dist.all_reduce(t, group=self.leaders)
+        if R > 1:
+            dist.broadcast(t, self.leader, group=self.node_group)
+        return t
+
+    def start(self, t: torch.Tensor) -> Any:
+        if t.is_cuda:  # CUDA: enqueue the phases from the calling thread (not yet written)
+            raise NotImplementedError("hier gradient sync on CUDA is not implemented yet")
+        return self._thread.submit(lambda: self._run(t), t, t)
+
+
+class GradSync:
+    """A DDP comm hook that posts DDP's gradient buckets as background network tasks (see the
+    module docstring); registered on `ddp` by the constructor (collective: creates groups).
+
+    Args:
+        ddp: the DistributedDataParallel model (its module's MoELayers get the queue).
+        algorithm: a GRAD_SYNCS name ("flat", "hier").
+        compress: "none", "bf16" or "fp16".
+        window: buckets in flight at once.
+        ranks_per_node: the node layout for "hier" (default: the launcher's LOCAL_WORLD_SIZE).
+    """
+
+    def __init__(
+        self,
+        ddp: nn.parallel.DistributedDataParallel,
+        *,
+        algorithm: str = "flat",
+        compress: str = "none",
+        window: int = 1,
+        ranks_per_node: int | None = None,
+    ) -> None:
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+            raise TypeError(f"GradSync needs a DistributedDataParallel, got {type(ddp).__name__}")
+        if compress not in COMPRESS:
+            raise ValueError(f"compress must be one of {sorted(COMPRESS)}, got {compress!r}")
+        cls = GRAD_SYNCS.get(algorithm)
+        self.topology = Topology.from_group(None, ranks_per_node)
+        self.algorithm, self.dtype = cls(self.topology), COMPRESS[compress]
+        self.background = Background(window)
+        for m in ddp.module.modules():
+            if isinstance(m, MoELayer):
+                m.background = self.background
+        ddp.register_comm_hook(self, _hook)
+
+    def _start(self, payload: torch.Tensor) -> Callable[[], Any]:
+        def start():
+            if self.topology.world == 1:
+                return Done(payload)
+            return self.algorithm.start(payload)
+
+        return start
+
+
+def _hook(sync: GradSync, bucket):  # DDP checks real annotations: bucket is a dist.GradBucket
+    buf = bucket.buffer()
+    fut: torch.futures.Future = torch.futures.Future()
+    # The same arithmetic as torch's allreduce_hook / *_compress_hook: (cast,) divide, sum.
+    payload = buf if sync.dtype is None else buf.to(sync.dtype)
+    payload.div_(sync.topology.world)
+
+    def done(result: torch.Tensor) -> None:
+        if result is not buf:
+            buf.copy_(result)
+        fut.set_result(buf)
+
+    sync.background.submit(sync._start(payload), done)
+    if bucket.is_last():  # every bucket is ready: post the rest, all done before the optimizer
+        sync.background.flush()
+    return fut
+
+
+SYNCS = ("ddp", "scheduled")
+
+
+def data_parallel(
+    model: nn.Module,
+    *,
+    sync: str = "ddp",
+    compress: str = "none",
+    algorithm: str = "flat",
+    bucket_mb: float = 25.0,
+    window: int = 1,
+    ranks_per_node: int | None = None,
+) -> tuple[nn.parallel.DistributedDataParallel, GradSync | None]:
+    """`model` (experts already excluded, see `ddp_ignore_experts`) under DDP, its dense gradients
+    synchronised by `sync`: "ddp" (DDP's own all-reduce, or with compress bf16/fp16 exactly
+    torch's bf16_compress_hook / fp16_compress_hook; algorithm must be "flat") or "scheduled"
+    (a GradSync). Collective (DDP broadcasts the parameters; groups are created)."""
+    if sync not in SYNCS:
+        raise ValueError(f"grad sync must be one of {SYNCS}, got {sync!r}")
+    if compress not in COMPRESS:
+        raise ValueError(f"grad compress must be one of {sorted(COMPRESS)}, got {compress!r}")
+    GRAD_SYNCS.get(algorithm)
+    if sync == "ddp" and algorithm != "flat":
+        raise ValueError(
+            f"grad sync 'ddp' all-reduces flat; algorithm {algorithm!r} needs 'scheduled'"
+        )
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    ddp = nn.parallel.DistributedDataParallel(
+        model, broadcast_buffers=False, bucket_cap_mb=bucket_mb
+    )
+    if sync == "scheduled":
+        return ddp, GradSync(
+            ddp,
+            algorithm=algorithm,
+            compress=compress,
+            window=window,
+            ranks_per_node=ranks_per_node,
+        )
+    if compress != "none":
+        hook = {"bf16": _torch_bf16_hook, "fp16": default_hooks.fp16_compress_hook}
+        ddp.register_comm_hook(None, hook[compress])
+    return ddp, None
+
+
+def _torch_bf16_hook(state, bucket):
+    """torch's own bf16_compress_hook, unchanged. DDP refuses that hook by name unless NCCL runs
+    it, but gloo all-reduces bf16 too; calling it through this wrapper runs it on gloo."""
+    return default_hooks.bf16_compress_hook(state, bucket)
