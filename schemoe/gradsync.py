@@ -180,6 +180,7 @@ def data_parallel(
     bucket_mb: float = 25.0,
     window: int = 1,
     ranks_per_node: int | None = None,
+    find_unused_parameters: bool = False,
 ) -> tuple[nn.parallel.DistributedDataParallel, GradSync | None]:
     """`model` (experts already excluded, see `ddp_ignore_experts`) under DDP, its dense gradients
     synchronised by `sync`: "ddp" (DDP's own all-reduce, or with compress bf16/fp16 exactly
@@ -197,7 +198,10 @@ def data_parallel(
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
     ddp = nn.parallel.DistributedDataParallel(
-        model, broadcast_buffers=False, bucket_cap_mb=bucket_mb
+        model,
+        broadcast_buffers=False,
+        bucket_cap_mb=bucket_mb,
+        find_unused_parameters=find_unused_parameters,
     )
     if sync == "scheduled":
         return ddp, GradSync(

@@ -400,12 +400,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o("--corpus", default=None, help="text file or folder (default: Python stdlib)")
     o("--corpus-bytes", type=int, default=4_000_000)
     s = p.add_argument_group("gradient synchronisation (dense weights)").add_argument
-    s("--grad-sync", default="ddp", choices=SYNCS,
-      help="ddp: DDP's all-reduce; scheduled: buckets posted into idle network time")
-    s("--grad-compress", default="none", choices=sorted(COMPRESS),
-      help="bucket dtype on the wire (ddp: torch's bf16/fp16 compress hooks)")
-    s("--grad-algorithm", default="flat", choices=GRAD_SYNCS.names(),
-      help="scheduled: flat all-reduce, or hier (node reduce, leaders, node broadcast)")
+    s(
+        "--grad-sync",
+        default="ddp",
+        choices=SYNCS,
+        help="ddp: DDP's all-reduce; scheduled: buckets posted into idle network time",
+    )
+    s(
+        "--grad-compress",
+        default="none",
+        choices=sorted(COMPRESS),
+        help="bucket dtype on the wire (ddp: torch's bf16/fp16 compress hooks)",
+    )
+    s(
+        "--grad-algorithm",
+        default="flat",
+        choices=GRAD_SYNCS.names(),
+        help="scheduled: flat all-reduce, or hier (node reduce, leaders, node broadcast)",
+    )
     s("--bucket-mb", type=float, default=None,
       help="DDP bucket size in MiB (default 25 with ddp, 1 with scheduled)")  # fmt: skip
     r = p.add_argument_group("checkpoints, output, failures").add_argument
