@@ -28,6 +28,7 @@ one before); on NCCL they would be enqueued from the calling thread on the commu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -169,6 +170,14 @@ def _hook(sync: GradSync, bucket):  # DDP checks real annotations: bucket is a d
 
 
 SYNCS = ("ddp", "scheduled")
+# Buffers (the experts' balancing bias and load) have their own all-reduce: DDP must not overwrite
+# them from rank 0 each forward. Newer torch spells it forward_sync_buffers (and warns about the
+# old name); it still syncs at construction, where every rank's buffers are equal (zeros).
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def data_parallel(
@@ -199,9 +208,9 @@ def data_parallel(
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
     ddp = nn.parallel.DistributedDataParallel(
         model,
-        broadcast_buffers=False,
         bucket_cap_mb=bucket_mb,
         find_unused_parameters=find_unused_parameters,
+        **_NO_BUFFER_SYNC,
     )
     if sync == "scheduled":
         return ddp, GradSync(

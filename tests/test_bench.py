@@ -99,3 +99,33 @@ def test_bench_layer_reports_each_candidate_and_the_parts_it_bounds_the_step_by(
     ]
     assert out["lower_bound_ms"] == max(out["compute_ms"], out["comm_ms"]) > 0
     assert 0 < out["a2a_share"] and all(r["median_ms"] > 0 for r in out["results"])
+
+
+def test_bench_step_times_each_grad_sync_row_and_states_its_parts(capfd):
+    args = _parse(["bench", "step", "--nproc", "2", "--dim", "32", "--hidden", "64",
+                   "--layers", "2", "--seq-len", "16", "--batch", "2", "--heads", "2",
+                   "--grad-sync", "ddp,scheduled", "--grad-compress", "none,bf16",
+                   "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
+    assert args.func(args) == 0
+    lines = capfd.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert any(line.startswith("# parts: compute1") for line in lines)
+    rows = out["results"]
+    assert [(r["grad_sync"], r["grad_compress"]) for r in rows] == [
+        ("ddp", "none"),
+        ("ddp", "bf16"),
+        ("scheduled", "none"),
+        ("scheduled", "bf16"),
+    ]
+    assert set(out["network_ms"]) == {"none", "bf16"} and out["compute1_ms"] > 0
+    for r in rows:
+        assert {"policy", "chunks", "grad_sync", "grad_compress", "micro_chunks"} <= set(r)
+        assert r["network_ms"] == out["network_ms"][r["grad_compress"]]
+        assert 0 < r["network_share"] and r["median_ms"] > 0
+        assert r["lower_bound_ms"] >= out["compute_ms"] >= out["compute1_ms"]
+
+
+def test_bench_step_refuses_a_peer_that_is_not_installed_or_known(capfd):
+    args = _parse(["bench", "step", "--peer", "megablocks"])
+    assert args.func(args) == 2
+    assert "--peer must be deepspeed" in capfd.readouterr().err

@@ -1,4 +1,4 @@
-"""`schemoe bench a2a|layer|compress`, and where the ranks of a benchmark come from.
+"""`schemoe bench a2a|layer|step|compress`, and where the ranks of a benchmark come from.
 
 A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env) -> None`
 (collective; it prints through `timer.report`). Its ranks come from one of three places:
@@ -29,7 +29,11 @@ from .._cli_util import guard
 
 __all__ = ["BenchEnv", "register"]
 
-_MULTI_RANK = {"a2a": "schemoe.bench.a2a", "layer": "schemoe.bench.layer"}
+_MULTI_RANK = {
+    "a2a": "schemoe.bench.a2a",
+    "layer": "schemoe.bench.layer",
+    "step": "schemoe.bench.step",
+}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,288 @@
+"""One full training step of the main job's model (`schemoe train`'s GPT), per candidate.
+
+A sample is one step: zero_grad; logits, aux = model(tokens); cross-entropy + aux; backward
+(the dense-gradient sync included); global-norm clipping; AdamW step; the loss all-reduce.
+Candidates are every combination of --policies x --chunks x --grad-sync x --grad-compress, and
+with `--peer deepspeed` the same model (same dense parts, E, k, f) with DeepSpeed-MoE's layer
+under DDP (its experts left out of DDP, as DeepSpeed's own engine does).
+
+The step's parts, timed in the same run, interleaved with the candidates:
+- compute: one rank at a time runs the same per-rank work with no network (the model on one-rank
+  groups: all E experts, its own tokens, i.e. the rows a rank computes in the distributed step;
+  no DDP) while the others wait: `compute1_ms`, a full core's time. With P ranks on K cores a
+  step needs at least compute1 x max(1, P / K) (the P ranks' work cannot run faster than K
+  cores, nor one rank's faster than one core); `compute_ms` is that bound;
+- network: the step's collectives alone, back to back, with their real sizes: per MoE layer the
+  counts exchange and four all-to-alls of its dispatch buffer (the first candidate's algorithm),
+  then the dense gradients' all-reduce (fp32, or bf16/fp16 for the rows that compress them),
+  and the loss all-reduce: `network_ms` per gradient dtype.
+Each row's `lower_bound_ms` = max(compute_ms, its network_ms) and `network_share` = network_ms /
+the row's median. Neither part models what overlapping costs (CPU ranks' comm threads take cycles
+from compute; see docs), so a bound is not always reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import config as c
+from ..autotune import TUNED, AutoTuner
+from ..collectives import ALGORITHMS
+from ..gating.router import capacity
+from ..gradsync import COMPRESS, SYNCS, data_parallel
+from ..lm import GPT, GPTConfig
+from ..parallel import clip_grad_norm_, ddp_ignore_experts, dense_parameters
+from ..scheduling import POLICIES
+from . import timer
+from .layer import _deepspeed
+
+__all__ = ["add_arguments", "bench", "validate"]
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--policies", type=_csv, default=["schemoe"], help="comma list (default schemoe)")
+    a("--chunks", type=lambda s: [int(v) for v in _csv(s)], default=[2], help="comma list of r")
+    a("--grad-sync", type=_csv, default=["ddp"], help=f"comma list of {', '.join(SYNCS)}")
+    a("--grad-compress", type=_csv, default=["none"], help="comma list of none, bf16, fp16")
+    a("--grad-algorithm", default="flat", help="scheduled sync: flat | hier (default flat)")
+    a("--bucket-mb", type=float, default=1.0, help="DDP bucket MiB for every row (default 1)")
+    a("--peer", type=_csv, default=[], help="deepspeed: DeepSpeed-MoE's layer, same model")
+    m = p.add_argument_group("the model (schemoe train's flags)").add_argument
+    m("--dim", type=int, default=128, help="model dim (default 128)")
+    m("--hidden", type=int, default=256, help="expert and dense FFN hidden dim (default 256)")
+    m("--experts", type=int, default=8, help="E (default 8)")
+    m("--top-k", type=int, default=2, help="k (default 2)")
+    m("--capacity-factor", type=float, default=1.25, help="f (default 1.25)")
+    m("--layers", type=int, default=4, help="blocks (default 4)")
+    m("--heads", type=int, default=4, help="attention heads (default 4)")
+    m("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block (default 2)")
+    m("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    m("--batch", type=int, default=8, help="sequences per rank (default 8)")
+    m("--algorithm", default="naive", help="all-to-all algorithm (default naive)")
+    t = p.add_argument_group("timing").add_argument
+    t("--warmup", type=int, default=2, help="unmeasured rounds (default 2)")
+    t("--repeats", type=int, default=5, help="measured rounds (default 5)")
+
+
+def validate(args: argparse.Namespace) -> None:
+    for name in args.policies:
+        if name != "auto":
+            POLICIES.get(name)
+    ALGORITHMS.get(args.algorithm)
+    for s in args.grad_sync:
+        if s not in SYNCS:
+            raise ValueError(f"--grad-sync must be a list of {SYNCS}, got {s!r}")
+    for s in args.grad_compress:
+        if s not in COMPRESS:
+            raise ValueError(f"--grad-compress must be a list of {sorted(COMPRESS)}, got {s!r}")
+    if any(r < 1 for r in args.chunks):
+        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if "deepspeed" in args.peer and args.top_k not in (1, 2):
+        raise ValueError(f"--peer deepspeed needs --top-k 1 or 2, got {args.top_k}")
+    for p in args.peer:
+        if p != "deepspeed":
+            raise ValueError(f"--peer must be deepspeed, got {p!r}")
+    if "deepspeed" in args.peer:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ValueError("--peer deepspeed needs `pip install deepspeed`") from None
+
+
+def _moe_config(args, rpn: int, policy: str = "sequential", r: int = 1) -> c.MoEConfig:
+    return c.MoEConfig(
+        gate=c.GateConfig(
+            num_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor
+        ),
+        experts=c.ExpertConfig(model_dim=args.dim, hidden_dim=args.hidden),
+        parallel=c.ParallelConfig(ranks_per_node=rpn),
+        schedule=c.ScheduleConfig(policy=policy, chunks=r),
+        collective=c.CollectiveConfig(algorithm=args.algorithm),
+    )
+
+
+def _gpt(args, moe: c.MoEConfig, group=None) -> GPT:
+    torch.manual_seed(0)  # the same dense weights in every candidate and on every rank
+    cfg = GPTConfig(
+        seq_len=args.seq_len, layers=args.layers, heads=args.heads, moe_every=args.moe_every
+    )
+    return GPT(cfg, moe, group=group, seed=0)
+
+
+class _DeepSpeedFFN(nn.Module):
+    """DeepSpeed's MoE as a (y, aux) FFN of the GPT's blocks."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, h):
+        y, l_aux, _counts = self.moe(h)
+        return y, l_aux
+
+
+def _step(model: nn.Module, core: nn.Module, opt, tokens, targets, world: int, group=None):
+    """One training step; `group`: where clipping's norm and the loss are summed."""
+
+    def run() -> None:
+        opt.zero_grad(set_to_none=True)
+        logits, aux = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        (loss + aux).backward()
+        clip_grad_norm_(core, 1.0, group=group)
+        opt.step()
+        stat = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(stat, group=group)
+
+    return run
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _network(args, core: GPT, algo, world: int, dtype: torch.dtype, group=None):
+    """The step's collectives alone (see the module docstring)."""
+    moes = [b.ffn for b in core.blocks if b.moe]
+    gate = moes[0].config.gate
+    T = args.batch * args.seq_len
+    rows = args.experts * capacity(gate, T)
+    per = [rows // world + (d < rows % world) for d in range(world)]
+    x = torch.randn(sum(per), args.dim)
+    counts = torch.zeros(world * moes[0].num_local, dtype=torch.long)
+    dense = sum(p.numel() for p in dense_parameters(core))
+    grads = torch.zeros(dense, dtype=dtype)
+    loss = torch.zeros(1)
+
+    def run() -> None:
+        for _ in moes:
+            dist.all_to_all_single(torch.empty_like(counts), counts)
+            for _ in range(4):  # dispatch, combine; their gradients in backward
+                algo.start(x, per, per).wait()
+        dist.all_reduce(grads, group=group)
+        dist.all_reduce(loss)
+
+    return run
+
+
+def _one_at_a_time(fn, rank: int, world: int):
+    """Each rank runs `fn` alone in turn while the others wait; returns this rank's turn."""
+
+    def run() -> None:
+        for turn in range(world):
+            if turn == rank:
+                fn()
+            dist.barrier()
+
+    return run
+
+
+def bench(args: argparse.Namespace, env) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rpn = env.ranks_per_node
+    g = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    cands, rows, first = {}, [], None
+    combos = itertools.product(args.policies, args.chunks, args.grad_sync, args.grad_compress)
+    for pol, r, sync, comp in combos:
+        core = _gpt(args, _moe_config(args, rpn, pol, r))
+        if pol in TUNED:
+            AutoTuner(core)
+        model, _ = data_parallel(
+            ddp_ignore_experts(core),
+            sync=sync,
+            compress=comp,
+            algorithm=args.grad_algorithm if sync == "scheduled" else "flat",
+            bucket_mb=args.bucket_mb,
+            ranks_per_node=rpn,
+        )
+        first = first or core
+        name = f"{pol}/r{r}/{sync}/{comp}"
+        cands[name] = _step(model, core, _optimizer(core), tokens, targets, world)
+        rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
+                     "micro_chunks": 1, "_n": name})  # fmt: skip
+    for peer in args.peer:
+        core = _gpt(args, _moe_config(args, rpn))
+        for blk in core.blocks:
+            if blk.moe:
+                blk.ffn = _DeepSpeedFFN(_deepspeed(_peer_args(args), world, torch.float32))
+        skip = [n for n, p in core.named_parameters() if getattr(p, "allreduce", True) is False]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(core, skip)
+        model, _ = data_parallel(core, bucket_mb=args.bucket_mb)
+        cands[peer] = _step(model, core, _optimizer(core), tokens, targets, world)
+        rows.append({"policy": peer, "chunks": 1, "grad_sync": "ddp", "grad_compress": "none",
+                     "micro_chunks": 1, "_n": peer})  # fmt: skip
+    # The parts. new_group is collective: every rank creates every one-rank group.
+    solo = [dist.new_group([q]) for q in range(world)][rank]
+    single = _gpt(args, _moe_config(args, 1), group=solo)
+    compute = _step(single, single, _optimizer(single), tokens, targets, 1, group=solo)
+    cands["parts:compute1"] = _one_at_a_time(compute, rank, world)
+    algo = next(b.ffn for b in first.blocks if b.moe).algorithm
+    for comp in dict.fromkeys(args.grad_compress):
+        dtype = COMPRESS[comp] or torch.float32
+        cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
+    stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    host_ranks = world if env.testbed or not env.launched else rpn  # ranks sharing this host
+    compute1 = stats["parts:compute1"].median_ms / world  # one rank's turn
+    compute_ms = compute1 * max(1.0, host_ranks / cores)
+    for row in rows:
+        name = row.pop("_n")
+        row.update(stats[name].row())
+        net = stats[f"parts:network:{row['grad_compress']}"].median_ms
+        row["network_ms"] = net
+        row["lower_bound_ms"] = max(compute_ms, net)
+        row["network_share"] = net / row["median_ms"]
+    base = rows[0]["median_ms"]
+    for row in rows:
+        row["speedup"] = base / row["median_ms"]
+    config = {k: getattr(args, k) for k in ("dim", "hidden", "experts", "top_k", "layers")}
+    config |= {"f": args.capacity_factor, "seq_len": args.seq_len, "batch": args.batch,
+               "algorithm": args.algorithm, "bucket_mb": args.bucket_mb,
+               "grad_algorithm": args.grad_algorithm, "warmup": args.warmup,
+               "repeats": args.repeats}  # fmt: skip
+    head = timer.header("schemoe bench step", config, env.topology(world), env.link())
+    nets = {k.split(":")[-1]: v.median_ms for k, v in stats.items() if k.startswith("parts:net")}
+    head.append(
+        f"# parts: compute1 {compute1:.1f} ms (one rank alone), compute bound {compute_ms:.1f} ms "
+        f"({host_ranks} ranks on {cores} cores); network "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in nets.items())
+    )
+    summary = {
+        "results": rows,
+        "compute1_ms": compute1,
+        "compute_ms": compute_ms,
+        "network_ms": nets,
+        "link_rate_gbps": env.link_rate_gbps,
+        "world_size": world,
+        "ranks_per_node": rpn,
+    }
+    cols = ["policy", "chunks", "grad_sync", "grad_compress", "median_ms", "p10_ms", "p90_ms",
+            "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
+    timer.report(head, rows, cols, summary)
+
+
+def _peer_args(args) -> argparse.Namespace:
+    """bench layer's DeepSpeed builder reads these names."""
+    return argparse.Namespace(
+        model_dim=args.dim,
+        hidden=args.hidden,
+        experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+    )
