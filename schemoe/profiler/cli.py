@@ -34,7 +34,7 @@ from ..costmodel.tune import explore
 from ..testbed.netns import parse_rate
 from ..topology import Topology
 from ..trace import gantt
-from . import measure
+from . import measure, steps
 
 __all__ = ["register"]
 
@@ -239,6 +239,8 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
 
     # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
     rows = summary["results"]
+    if any("grad_sync" in row for row in rows):  # a `schemoe bench step` output
+        return config, [row for row in rows if steps.is_step_row(row)]
     return config, [
         row
         for row in rows
@@ -257,6 +259,9 @@ def _validate(args: argparse.Namespace) -> int:
         if hw is None:
             raise ValueError(f"no profile in {prof or args.profile}")
         for row in rows:
+            if steps.is_step_row(row):
+                points.append(steps.point(cfg, row, hw))
+                continue
             fwd, _, bwd = row["compressor"].partition("/")
             moe = c.MoEConfig(
                 gate=c.GateConfig(
