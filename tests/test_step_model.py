@@ -1,0 +1,97 @@
+"""The step model: all-reduce costs, buckets, and predicted steps (costmodel/step.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from schemoe import cli
+from schemoe.costmodel import profiles
+from schemoe.costmodel.hardware import Hardware, Link
+from schemoe.costmodel.step import StepShape, _buckets, allreduce_time, predict_step
+
+SHAPE = StepShape(batch=4, seq_len=32, model_dim=64, hidden=128, layers=4, experts=4)
+
+
+def _hw(rate_Bps=12.5e6, nodes=2, rpn=2) -> Hardware:
+    return Hardware(
+        name="t",
+        nodes=nodes,
+        ranks_per_node=rpn,
+        intra=Link(alpha=1e-4, beta=1e9),
+        inter=Link(alpha=1e-3, beta=rate_Bps),
+        flops=1e10,
+        gemm_alpha=1e-5,
+        memory=5e9,
+        codecs={},
+        backend="gloo",
+    )
+
+
+def test_a_flat_ring_sends_two_p_minus_one_over_p_of_the_bytes_over_the_slow_link():
+    hw = _hw()
+    S = 1e6
+    assert allreduce_time(hw, S) == pytest.approx(6 * 1e-3 + 1.5 * S / 12.5e6)
+    assert allreduce_time(dataclasses.replace(hw, nodes=1, ranks_per_node=1), S) == 0.0
+
+
+def test_hier_crosses_the_network_once_per_node_and_wins_on_a_slow_link():
+    hw = _hw()
+    S = 1e6
+    want = 2 * (1e-4 + S / 1e9) + (2 * 1e-3 + (1e-3 + S / 12.5e6) - 1e-3)
+    assert allreduce_time(hw, S, "hier") == pytest.approx(want)
+    assert allreduce_time(hw, S, "hier") < allreduce_time(hw, S, "flat")
+    with pytest.raises(ValueError, match="flat' or 'hier"):
+        allreduce_time(hw, S, "tree")
+
+
+def test_buckets_fill_in_ready_order_and_the_last_one_takes_the_rest():
+    assert _buckets([3.0, 0.0, 5.0, 1.0], 4.0) == [(2, 4.0), (2, 4.0), (3, 1.0)]
+    assert _buckets([1.0, 1.0], 4.0) == [(1, 2.0)]
+
+
+def test_compressing_the_buckets_never_makes_the_predicted_step_slower():
+    hw = _hw()
+    for sync in ("ddp", "scheduled"):
+        plain = predict_step(hw, SHAPE, "schemoe", chunks=2, grad_sync=sync)
+        half = predict_step(hw, SHAPE, "schemoe", chunks=2, grad_sync=sync, grad_compress="bf16")
+        assert 0 < half.step_s <= plain.step_s
+        assert half.forward_s == plain.forward_s  # only the backward's buckets change
+
+
+def test_a_faster_link_shortens_the_predicted_step_and_its_network_part():
+    slow = predict_step(_hw(12.5e6), SHAPE, "schemoe", chunks=2)
+    fast = predict_step(_hw(1.25e9), SHAPE, "schemoe", chunks=2)
+    assert fast.step_s < slow.step_s and fast.network_s < slow.network_s
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"grad_sync": "fsdp"}, "grad_sync"), ({"grad_compress": "int3"}, "grad_compress")],
+)
+def test_predict_step_names_a_bad_setting(kw, match):
+    with pytest.raises(ValueError, match=match):
+        predict_step(_hw(), SHAPE, **kw)
+
+
+def test_validate_reads_a_bench_step_output_and_predicts_each_row(tmp_path, capsys):
+    prof = tmp_path / "p.json"
+    profiles.save(_hw(), str(prof))
+    rows = [
+        {"policy": "schemoe", "chunks": 2, "grad_sync": s, "grad_compress": "none",
+         "micro_chunks": 1, "median_ms": 500.0}
+        for s in ("ddp", "scheduled")
+    ] + [{"policy": "deepspeed", "chunks": 1, "grad_sync": "ddp", "grad_compress": "none",
+          "micro_chunks": 1, "median_ms": 600.0}]  # fmt: skip
+    bench = tmp_path / "step.txt"
+    bench.write_text(
+        "# schemoe bench step\n# config: dim=64 hidden=128 experts=4 top_k=2 layers=4 heads=4 "
+        "moe_every=2 f=1.25 seq_len=32 batch=4 algorithm=naive bucket_mb=1.0 "
+        "grad_algorithm=flat\n" + json.dumps({"results": rows}) + "\n"
+    )
+    assert cli.main(["validate", f"{bench}={prof}"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["configurations"] == 2  # the DeepSpeed row is not modelled
+    assert all(p["predicted_ms"] > 0 for p in out["points"])
