@@ -29,6 +29,7 @@ one before); on NCCL they would be enqueued from the calling thread on the commu
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from . import trace
 from .collectives import Done
 from .collectives._common import CommThread
 from .layer import MoELayer
@@ -158,12 +160,21 @@ def _hook(sync: GradSync, bucket):  # DDP checks real annotations: bucket is a d
     payload = buf if sync.dtype is None else buf.to(sync.dtype)
     payload.div_(sync.topology.world)
 
+    tracer, span = trace.active("backward"), [0.0]
+    start = sync._start(payload)
+
+    def timed_start():
+        span[0] = time.perf_counter()
+        return start()
+
     def done(result: torch.Tensor) -> None:
+        if tracer is not None:  # the end is when the queue noticed it (an upper bound)
+            tracer.record(trace.Mark(f"AR.{bucket.index()}", "net"), span[0], time.perf_counter())
         if result is not buf:
             buf.copy_(result)
         fut.set_result(buf)
 
-    sync.background.submit(sync._start(payload), done)
+    sync.background.submit(timed_start, done)
     if bucket.is_last():  # every bucket is ready: post the rest, all done before the optimizer
         sync.background.flush()
     return fut

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Event", "Timeline", "active", "clock", "gantt", "record"]
+__all__ = ["Event", "Mark", "Timeline", "active", "clock", "gantt", "record"]
 
 _ACTIVE: Timeline | None = None
 
@@ -44,6 +44,18 @@ class Event:
     resource: str
     start: float
     end: float
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A recorded span that is not a region's Task: dense compute ("AT.3" attention of block 3,
+    "FFN.2") or a gradient bucket's all-reduce ("AR.0") on the network."""
+
+    name: str
+    resource: str
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass
@@ -138,7 +150,8 @@ def gantt(events: list[Event], path: str, title: str = "") -> None:
         {(e.rank, e.resource) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1])
     )
     index = {row: i for i, row in enumerate(rows)}
-    colors = {"C": "#8fbc8f", "A": "#4682b4", "D": "#daa520", "E": "#cd5c5c"}
+    colors = {"C": "#8fbc8f", "A": "#4682b4", "D": "#daa520", "E": "#cd5c5c", "AR": "#9370db",
+              "AT": "#c0c0c0", "FFN": "#a9a9a9"}  # fmt: skip
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2))
     for e in events:
         y = index[(e.rank, e.resource)]
@@ -147,7 +160,7 @@ def gantt(events: list[Event], path: str, title: str = "") -> None:
             (e.end - e.start) * 1e3,
             left=e.start * 1e3,
             height=0.8,
-            color=colors.get(e.task[0], "gray"),
+            color=colors.get(e.task.split(".")[0], colors.get(e.task[0], "gray")),
             edgecolor="black",
             linewidth=0.3,
             hatch="//" if e.direction == "backward" else None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import config as c
+from .. import trace
 from ..autotune import TUNED, AutoTuner
 from ..collectives import ALGORITHMS
 from ..gating.router import capacity
@@ -74,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("timing").add_argument
     t("--warmup", type=int, default=2, help="unmeasured rounds (default 2)")
     t("--repeats", type=int, default=5, help="measured rounds (default 5)")
+    t("--trace", default=None, metavar="DIR",
+      help="after timing, trace one step of each row: DIR/<row>.json + .png")  # fmt: skip
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -178,6 +182,49 @@ def _network(args, core: GPT, algo, world: int, dtype: torch.dtype, group=None):
     return run
 
 
+def _spans(core: GPT) -> list:
+    """Hooks recording each block's attention and dense FFN, forward and backward, as trace
+    marks on the compute row (only while a trace is being recorded)."""
+    hooks = []
+    for i, blk in enumerate(core.blocks):
+        parts = [(f"AT.{i}", blk.attn)] + ([] if blk.moe else [(f"FFN.{i}", blk.ffn)])
+        for name, mod in parts:
+            t0 = [0.0]
+
+            def begin(*_, t0=t0):
+                t0[0] = time.perf_counter()
+
+            def end(direction, name=name, t0=t0):
+                def hook(*_):
+                    rec = trace.active(direction)
+                    if rec is not None:
+                        rec.record(trace.Mark(name, "compute"), t0[0], time.perf_counter())
+
+                return hook
+
+            hooks += [
+                mod.register_forward_pre_hook(begin),
+                mod.register_forward_hook(end("forward")),
+                mod.register_full_backward_pre_hook(begin),
+                mod.register_full_backward_hook(end("backward")),
+            ]
+    return hooks
+
+
+def _trace(folder: str, steps: dict, cores: dict) -> None:
+    """One traced step per row (collective: every rank takes part)."""
+    os.makedirs(folder, exist_ok=True)
+    for name, step in steps.items():
+        hooks = _spans(cores[name])
+        step()  # warm: the traced step should show the steady state
+        dist.barrier()
+        with trace.record() as tl:
+            step()
+        tl.save(os.path.join(folder, name.replace("/", "_")))
+        for h in hooks:
+            h.remove()
+
+
 def _one_at_a_time(fn, rank: int, world: int):
     """Each rank runs `fn` alone in turn while the others wait; returns this rank's turn."""
 
@@ -196,7 +243,7 @@ def bench(args: argparse.Namespace, env) -> None:
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
-    cands, rows, first = {}, [], None
+    cands, rows, first, cores = {}, [], None, {}
     combos = itertools.product(args.policies, args.chunks, args.grad_sync, args.grad_compress)
     for pol, r, sync, comp in combos:
         core = _gpt(args, _moe_config(args, rpn, pol, r))
@@ -213,6 +260,7 @@ def bench(args: argparse.Namespace, env) -> None:
         first = first or core
         name = f"{pol}/r{r}/{sync}/{comp}"
         cands[name] = _step(model, core, _optimizer(core), tokens, targets, world)
+        cores[name] = core
         rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
                      "micro_chunks": 1, "_n": name})  # fmt: skip
     for peer in args.peer:
@@ -236,6 +284,8 @@ def bench(args: argparse.Namespace, env) -> None:
         dtype = COMPRESS[comp] or torch.float32
         cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
     stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+    if args.trace:
+        _trace(args.trace, {n: cands[n] for n in cores}, cores)
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     host_ranks = world if env.testbed or not env.launched else rpn  # ranks sharing this host
