@@ -82,7 +82,9 @@ def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
         experts=ExpertConfig(
             model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation, bias=a.expert_bias
         ),
-        parallel=ParallelConfig(ranks_per_node=a.ranks_per_node),
+        # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares),
+        # so capacity-mode splits follow from the config: no counts exchange, no host sync.
+        parallel=ParallelConfig(ranks_per_node=a.ranks_per_node, uniform_tokens=True),
         schedule=ScheduleConfig(
             policy=a.policy,
             chunks=a.chunks,
