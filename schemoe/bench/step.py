@@ -12,8 +12,9 @@ The step's parts, timed in the same run, interleaved with the candidates:
   no DDP) while the others wait: `compute1_ms`, a full core's time. With P ranks on K cores a
   step needs at least compute1 x max(1, P / K) (the P ranks' work cannot run faster than K
   cores, nor one rank's faster than one core); `compute_ms` is that bound;
-- network: the step's collectives alone, back to back, with their real sizes: per MoE layer the
-  counts exchange and four all-to-alls of its dispatch buffer (the first candidate's algorithm),
+- network: the step's collectives alone, back to back, with their real sizes: per MoE layer four
+  all-to-alls of its dispatch buffer (the first candidate's algorithm; every rank routes the same
+  tokens, declared as `schemoe train` does, so no counts are exchanged),
   then the dense gradients' all-reduce (fp32, or bf16/fp16 for the rows that compress them),
   and the loss all-reduce: `network_ms` per gradient dtype.
 Each row's `lower_bound_ms` = max(compute_ms, its network_ms) and `network_share` = network_ms /
@@ -111,7 +112,7 @@ def _moe_config(args, rpn: int, policy: str = "sequential", r: int = 1) -> c.MoE
             num_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor
         ),
         experts=c.ExpertConfig(model_dim=args.dim, hidden_dim=args.hidden),
-        parallel=c.ParallelConfig(ranks_per_node=rpn),
+        parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=True),  # as schemoe train
         schedule=c.ScheduleConfig(policy=policy, chunks=r),
         collective=c.CollectiveConfig(algorithm=args.algorithm),
     )
@@ -166,14 +167,12 @@ def _network(args, core: GPT, algo, world: int, dtype: torch.dtype, group=None):
     rows = args.experts * capacity(gate, T)
     per = [rows // world + (d < rows % world) for d in range(world)]
     x = torch.randn(sum(per), args.dim)
-    counts = torch.zeros(world * moes[0].num_local, dtype=torch.long)
     dense = sum(p.numel() for p in dense_parameters(core))
     grads = torch.zeros(dense, dtype=dtype)
     loss = torch.zeros(1)
 
     def run() -> None:
-        for _ in moes:
-            dist.all_to_all_single(torch.empty_like(counts), counts)
+        for _ in moes:  # uniform tokens in capacity mode: no counts exchange
             for _ in range(4):  # dispatch, combine; their gradients in backward
                 algo.start(x, per, per).wait()
         dist.all_reduce(grads, group=group)
