@@ -41,6 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from . import trace
 from .collectives import Done
 from .collectives._common import CommThread
+from .collectives.naive import Work
 from .layer import MoELayer
 from .registry import Registry
 from .scheduling.background import Background
@@ -52,20 +53,6 @@ GRAD_SYNCS: Registry[type] = Registry("gradient sync algorithm")
 COMPRESS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class _Work:
-    """A torch Work as a Pending (wait -> the tensor, is_completed)."""
-
-    def __init__(self, work, t: torch.Tensor) -> None:
-        self.work, self.t = work, t
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.t
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
 @GRAD_SYNCS.register("flat")
 class Flat:
     """One all-reduce (sum) over the world, on the sync's own communicator."""
@@ -74,7 +61,7 @@ class Flat:
         self.group = topology.subgroup(tuple(range(topology.world)), tag="gradsync")
 
     def start(self, t: torch.Tensor) -> Any:
-        return _Work(dist.all_reduce(t, group=self.group, async_op=True), t)
+        return Work(dist.all_reduce(t, group=self.group, async_op=True), t)
 
 
 @GRAD_SYNCS.register("hier")
