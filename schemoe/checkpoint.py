@@ -40,11 +40,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._cli_util import guard
 from .experts import ModuleExperts
 from .layer import MoELayer
 from .parallel import is_expert_param
 
-__all__ = ["Loaded", "export", "export_model", "load", "load_export", "register", "save"]
+__all__ = [
+    "Loaded",
+    "export",
+    "export_model",
+    "load",
+    "load_export",
+    "register",
+    "resolve",
+    "save",
+]
 
 FORMAT, EXPORT_FORMAT = "schemoe-checkpoint/1", "schemoe-export/1"
 _STACKED = re.compile(r"^(.*)\[(\d+)\]$")
@@ -240,11 +250,22 @@ class Loaded:
     rng: dict[str, torch.Tensor] | None
 
 
-def _resolve(path: Path) -> Path:
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint folder `path` names: itself (a step-N folder) or the one its `latest`
+    names. Raises ValueError saying what is missing."""
+    path = Path(path)
     if (path / "meta.json").exists():
         return path
     if (path / "latest").exists():
-        return path / (path / "latest").read_text().strip()
+        name = (path / "latest").read_text().strip()
+        folder = path / name
+        if not (folder / "meta.json").exists():
+            what = "has no meta.json" if folder.is_dir() else "does not exist"
+            raise ValueError(
+                f"{str(path)!r}: its 'latest' names {name!r}, which {what}; pass one of its "
+                "step-N folders instead"
+            )
+        return folder
     raise ValueError(f"{str(path)!r} holds no checkpoint (no 'latest' and no meta.json)")
 
 
@@ -261,7 +282,7 @@ def load(
         tensors = {f"model/{k}": v for k, v in state.items()}
         step, rng = int(meta.get("step", 0)), None
     else:
-        folder = _resolve(path)
+        folder = resolve(path)
         meta = json.loads((folder / "meta.json").read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"{folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -342,7 +363,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     The file is {"format", "meta" (JSON text), "state"}: `state` is the state_dict of the
     one-rank model, so `model.load_state_dict(load_export(out)[0])` restores it.
     """
-    folder = _resolve(Path(src))
+    folder = resolve(Path(src))
     meta = json.loads((folder / "meta.json").read_text())
     tensors = _tensors(folder)
     state: dict[str, torch.Tensor] = {}
@@ -394,4 +415,9 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="merge a (sharded) checkpoint into one inference file")
     p.add_argument("checkpoint", help="checkpoint folder (its latest) or one step-N folder")
     p.add_argument("out", help="output file")
-    p.set_defaults(func=lambda a: print(export(a.checkpoint, a.out)) or 0)
+    p.set_defaults(func=guard("schemoe export", _export_command))
+
+
+def _export_command(a) -> int:
+    print(export(a.checkpoint, a.out))
+    return 0

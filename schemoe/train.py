@@ -17,7 +17,6 @@ over all ranks, whatever P. AdamW, linear warm-up then cosine decay, clipping by
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -30,68 +29,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, failures
-from .config import (
-    CollectiveConfig,
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
+from ._cli_util import guard
 from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
 from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
+from .train_args import (
+    add_arguments,
+    check_args,
+    check_corpus,
+    check_paths,
+    moe_config_from_args,
+    parse_args,
+    validate,
+)
 
 __all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args", "register", "train"]
-
-
-def _options(items: list[str]) -> dict[str, dict]:
-    """["zfp.rate=4", ...] -> {"zfp": {"rate": 4}}; values are JSON, else strings."""
-    out: dict[str, dict] = {}
-    for it in items:
-        name, _, rest = it.partition(".")
-        key, eq, val = rest.partition("=")
-        if not (name and key and eq):
-            raise ValueError(f"--compress-option must look like NAME.KEY=VALUE, got {it!r}")
-        try:
-            val = json.loads(val)
-        except json.JSONDecodeError:
-            pass  # a plain string
-        out.setdefault(name, {})[key] = val
-    return out
-
-
-def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
-    """Every MoEConfig field, from the command line."""
-    return MoEConfig(
-        gate=GateConfig(
-            num_experts=a.experts,
-            top_k=a.top_k,
-            capacity_factor=a.capacity_factor,
-            renormalize=a.renormalize,
-            noise_std=a.noise_std,
-            priority=a.priority,
-            aux_loss_weight=a.aux_loss_weight,
-            z_loss_weight=a.z_loss_weight,
-            bias_update_rate=a.bias_update_rate,
-        ),
-        experts=ExpertConfig(
-            model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation, bias=a.expert_bias
-        ),
-        parallel=ParallelConfig(ranks_per_node=a.ranks_per_node),
-        schedule=ScheduleConfig(
-            policy=a.policy,
-            chunks=a.chunks,
-            accuracy_budget=a.budget,
-            trials=a.trials,
-            shortlist=a.shortlist,
-        ),
-        collective=CollectiveConfig(algorithm=a.algorithm),
-        compression=CompressionConfig(
-            forward=a.compress, backward=a.compress_backward, options=_options(a.compress_option)
-        ),
-    )
 
 
 def lr_at(step: int, a: argparse.Namespace) -> float:
@@ -157,31 +109,15 @@ def _plot(losses: list[float], evals: list[list[float]], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _check(a: argparse.Namespace) -> None:
-    for n, lo in (
-        ("steps", 1),
-        ("batch", 1),
-        ("seq_len", 1),
-        ("save_every", 0),
-        ("clip", 0),
-        ("eval_every", 0),
-        ("eval_seqs", 0),
-        ("warmup", 0),
-        ("stop_after", 0),
-    ):
-        if (v := getattr(a, n)) is not None and v < lo:
-            raise ValueError(f"--{n.replace('_', '-')} must be >= {lo}, got {v}")
-    if a.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'schemoe[plot]'")
-
-
 def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     """One rank's training run (torch.distributed initialised when world > 1); returns the
     summary that rank 0 prints as JSON. Resumes from --resume, saves to --save. On an error after
     set-up it destroys the default process group (so the peers fail now) and re-raises."""
-    _check(a)
+    check_args(a, world)
+    check_paths(a)
     torch.manual_seed(a.seed)  # same dense init on every rank; experts seed per expert
     data = load_corpus(a.corpus, a.corpus_bytes)
+    check_corpus(a, data.numel())
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
     core = GPT(
@@ -327,8 +263,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
 
 
 def _main(a: argparse.Namespace) -> int:
-    _check(a)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun / srun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun / srun
+    # Every argument is checked before a rank starts (under torchrun: before the group forms).
+    validate(a, None if torchrun else a.nproc)
+    if torchrun:
         from ._dist import init_process_group
 
         torch.set_num_threads(a.threads)
@@ -346,80 +284,10 @@ def _main(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--nproc", type=int, default=4, help="local ranks to spawn (default 4)")
-    a("--steps", type=int, default=40, help="total steps (the LR schedule's length)")
-    a("--batch", type=int, default=8, help="sequences per rank per step")
-    a("--seq-len", type=int, default=64)
-    a("--layers", type=int, default=4)
-    a("--heads", type=int, default=4)
-    a("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
-    m = p.add_argument_group("MoE layer (every MoEConfig field)").add_argument
-    m("--dim", type=int, default=128, help="model dim")
-    m("--hidden", type=int, default=256, help="expert (and dense FFN) hidden dim")
-    m("--experts", type=int, default=8)
-    m("--top-k", type=int, default=2)
-    m("--capacity-factor", type=float, default=1.25, help="0 = dropless")
-    m("--renormalize", action=argparse.BooleanOptionalAction, default=True)
-    m("--noise-std", type=float, default=0.0, help="router logit noise in training")
-    m("--priority", default="position", help="position | score")
-    m("--aux-loss-weight", type=float, default=0.01)
-    m("--z-loss-weight", type=float, default=0.0)
-    m("--bias-update-rate", type=float, default=0.0, help="> 0: aux-loss-free expert bias")
-    m("--activation", default="gelu", help="relu | gelu | swiglu")
-    m("--expert-bias", action="store_true", help="biases in the expert FFNs")
-    m("--ranks-per-node", type=int, default=None)
-    m("--policy", default="schemoe", help="a policy name, or auto (the cost model chooses)")
-    m("--chunks", type=int, default=2)
-    m("--budget", default="lossless", help="auto: lossless | fp16 | lossy compressors allowed")
-    m("--trials", type=int, default=5, help="auto: timed calls per shortlisted candidate")
-    m("--shortlist", type=int, default=4, help="auto: candidates the model shortlists")
-    m("--algorithm", default="naive")
-    m("--compress", default="none", help="forward (activation) compressor")
-    m("--compress-backward", default="none", help="gradient compressor")
-    m(
-        "--compress-option",
-        action="append",
-        default=[],
-        metavar="NAME.KEY=VALUE",
-        help="compressor option, e.g. zfp.rate=4 (repeatable)",
-    )
-    o = p.add_argument_group("optimisation and evaluation").add_argument
-    o("--lr", type=float, default=3e-3, help="peak learning rate")
-    o("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
-    o("--warmup", type=int, default=None, help="linear warm-up steps (default steps // 10)")
-    o("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
-    o("--clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
-    o("--eval-every", type=int, default=20, help="eval loss every n steps (and at the end)")
-    o("--eval-seqs", type=int, default=64, help="held-out sequences per eval (0 = no eval)")
-    o("--seed", type=int, default=0)
-    o("--corpus", default=None, help="text file or folder (default: Python stdlib)")
-    o("--corpus-bytes", type=int, default=4_000_000)
-    r = p.add_argument_group("checkpoints, output, failures").add_argument
-    r("--save", default=None, metavar="DIR", help="checkpoint folder (written at the end)")
-    r("--save-every", type=int, default=0, help="also save every n steps")
-    r("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any rank count)")
-    r("--stop-after", type=int, default=None, help="stop at this step (resume later)")
-    r("--export", default=None, metavar="PATH", help="single-file unsharded model at the end")
-    r("--plot", default=None, metavar="PNG", help="loss curve image (rank 0)")
-    r("--log-every", type=int, default=5)
-    r("--check-finite", action="store_true", help="name the layer/step of the first NaN/Inf")
-    r("--threads", type=int, default=1, help="torch threads per rank")
-    r("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The `schemoe train` arguments (defaults for anything not in argv)."""
-    p = argparse.ArgumentParser(prog="schemoe train")
-    add_arguments(p)
-    return p.parse_args(argv)
-
-
 def register(sub) -> None:
     p = sub.add_parser("train", help="expert-parallel training run of a small MoE GPT")
     add_arguments(p)
-    p.set_defaults(func=_main)
+    p.set_defaults(func=guard("schemoe train", _main))
 
 
 if __name__ == "__main__":

@@ -72,10 +72,10 @@ def test_checkpoint_written_on_four_ranks_loads_on_two_and_one_and_exports(tmp_p
     got = checkpoint.load(d, core, opt)
     assert got.step == 3 and got.rng is None  # RNG streams only restore on the same P
     checkpoint.save(d1, core, opt, step=3)
-    ref = tensors_of(checkpoint._resolve(Path(d)))
+    ref = tensors_of(checkpoint.resolve(Path(d)))
     assert any(k.startswith("optim/exp_avg_sq/") and "experts.w1_EMH[3]" in k for k in ref)
     for other in (d2, d1):
-        got_t = tensors_of(checkpoint._resolve(Path(other)))
+        got_t = tensors_of(checkpoint.resolve(Path(other)))
         assert got_t.keys() == ref.keys()
         for k in ref:
             assert torch.equal(got_t[k], ref[k]), k
@@ -175,7 +175,7 @@ class _Exploit:
 def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp_path):
     core, opt = build(tiny())
     checkpoint.save(tmp_path, core, opt, step=1)
-    folder = checkpoint._resolve(tmp_path)
+    folder = checkpoint.resolve(tmp_path)
     flag = tmp_path / "pwned"
     torch.save({"model/embed.weight": _Exploit(str(flag))}, folder / "dense.pt")
     with pytest.raises(ValueError, match="weights_only"):
