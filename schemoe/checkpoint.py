@@ -37,10 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ._cli_util import guard
+from .checkpoint_files import agree as _agree
+from .checkpoint_files import fsync_dir as _fsync_dir
+from .checkpoint_files import rank_world as _rank_world
+from .checkpoint_files import read as _read
+from .checkpoint_files import write as _write
 from .experts import ModuleExperts
 from .layer import MoELayer
 from .parallel import is_expert_param
@@ -58,12 +62,6 @@ __all__ = [
 
 FORMAT, EXPORT_FORMAT = "schemoe-checkpoint/1", "schemoe-export/1"
 _STACKED = re.compile(r"^(.*)\[(\d+)\]$")
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -95,54 +93,12 @@ def _optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
     return [names[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
-def _write(obj: dict[str, torch.Tensor] | str, path: Path) -> None:
-    """Tensors (torch.save) or text to a temporary name, fsync, rename, fsync the folder: a
-    reader never sees half a file, and the rename survives a crash."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if isinstance(obj, str):
-            f.write(obj.encode())
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # UnpicklingError for anything that is not plain tensors
-        raise ValueError(
-            f"{path} is not a loadable checkpoint file (tensors only, weights_only=True): {e}"
-        ) from e
-
-
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every model/optimizer tensor of a checkpoint folder (memory-mapped)."""
     out = _read(folder / "dense.pt")
     for f in sorted(folder.glob("experts-*.pt")):
         out.update(_read(f))
     return out
-
-
-def _agree(ok: bool) -> bool:
-    """Whether every rank succeeded (a collective: also a barrier)."""
-    _, world = _rank_world()
-    if world == 1:
-        return ok
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def save(
