@@ -2,9 +2,10 @@
 
 Used by the tests, the benchmarks and `schemoe train --nproc P`. Every rank gets the usual launcher
 environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) so code run
-here behaves as under torchrun. A rank that raises makes `spawn` raise with that rank's traceback;
-a group that does not finish within `timeout` is killed and `spawn` raises TimeoutError, so a
-broken collective never hangs the caller.
+here behaves as under torchrun. A rank that raises makes `spawn` raise a RuntimeError whose first
+line names the rank and its exception ("distributed run failed: rank 0 raised ValueError: ...")
+and whose rest is that rank's traceback; a group that does not finish within `timeout` is killed
+and `spawn` raises TimeoutError, so a broken collective never hangs the caller.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s):
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that
         # die with this process before the parent reads them.
         results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 (every failure, even KeyboardInterrupt, goes to the parent)
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 (every failure, even KeyboardInterrupt, goes to the parent)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        results.put((rank, False, (f"{type(e).__name__}: {first}", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -117,7 +119,8 @@ def spawn(
             if ok:
                 out[rank] = pickle.loads(val)
             else:
-                errors.append(f"--- rank {rank} ---\n{val}")
+                summary, tb = val
+                errors.append(f"rank {rank} raised {summary}\n--- rank {rank} ---\n{tb}")
                 break  # the others will fail or hang on the missing peer; stop them
     finally:
         for p in procs:
@@ -127,5 +130,5 @@ def spawn(
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        raise RuntimeError("distributed run failed: " + "\n".join(errors))
     return [out[r] for r in range(world_size)]

@@ -119,7 +119,9 @@ def save(
         step: optimizer steps taken so far.
         rng: this rank's RNG states, e.g. {"torch": torch.get_rng_state(), "data": g.get_state()}.
         meta: JSON-serialisable extras (run arguments, loss history), stored in meta.json.
-        keep: complete checkpoints to keep (older ones are deleted after the new one is live).
+        keep: complete checkpoints to keep (older ones are deleted after the new one is live),
+            besides the newest one whose tensors are all finite (meta.json's "finite"), which
+            is never deleted.
 
     Returns the folder of the new checkpoint.
     """
@@ -132,18 +134,20 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted write
         tmp.mkdir()
     _agree(True)
-    ok, err = True, None
+    ok, err, finite = True, None, True
     try:
-        _write_rank_files(tmp, model, optimizer, rng, rank)
+        finite = _write_rank_files(tmp, model, optimizer, rng, rank)
     except BaseException as e:  # noqa: BLE001 (re-raised below, after telling the others)
         ok, err = False, e
     if not _agree(ok):
         if err is not None:
             raise err
         raise RuntimeError(f"checkpoint {tmp}: another rank failed to write its files")
+    finite = _agree(finite)
     final = root / name
     if rank == 0:
-        info = {"format": FORMAT, "step": step, "world_size": world, **(meta or {})}
+        info = {"format": FORMAT, "step": step, "world_size": world, "finite": finite}
+        info.update(meta or {})
         _write(json.dumps(info, indent=1), tmp / "meta.json")
         n = 1
         while final.exists():  # never rename onto a live checkpoint
@@ -151,16 +155,29 @@ def save(
         os.replace(tmp, final)
         _fsync_dir(root)
         _write(final.name, root / "latest")
-        done = [p for p in root.glob("step-*") if p.suffix != ".tmp" and p != final]
-        done = [p for p in done if (p / "meta.json").exists()]
-        done.sort(key=lambda p: (p / "meta.json").stat().st_mtime_ns)  # write order
-        for old in done[: max(0, len(done) + 1 - keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        _rotate(root, keep)
     _agree(True)
     return root / (root / "latest").read_text().strip()
 
 
-def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) -> None:
+def _rotate(root: Path, keep: int) -> None:
+    """Delete all but the `keep` newest complete checkpoints, except the newest whose tensors
+    are all finite: a diverged run never rotates away its last good state."""
+    done = [p for p in root.glob("step-*") if p.suffix != ".tmp" and (p / "meta.json").exists()]
+    done.sort(key=lambda p: (p / "meta.json").stat().st_mtime_ns)  # write order
+    good = [p for p in done if json.loads((p / "meta.json").read_text()).get("finite", True)]
+    for old in done[: max(0, len(done) - keep)]:
+        if not good or old != good[-1]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> bool:
+    # a host sync per tensor, at save time only
+    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
+
+
+def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) -> bool:
+    """Write this rank's files into `tmp`; whether every model/optimizer tensor is finite."""
     experts = _expert_keys(model)
     state = optimizer.state if optimizer is not None else {}
     params = dict(model.named_parameters())
@@ -194,6 +211,7 @@ def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) ->
     _write(mine, tmp / f"experts-{rank:05d}.pt")
     if rng is not None:
         _write(dict(rng), tmp / f"rng-{rank:05d}.pt")
+    return _finite(mine) and (rank != 0 or _finite(dense))
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,11 @@ def _plot(losses: list[float], evals: list[list[float]], path: str) -> None:
 def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     """One rank's training run (torch.distributed initialised when world > 1); returns the
     summary that rank 0 prints as JSON. Resumes from --resume, saves to --save. On an error after
-    set-up it destroys the default process group (so the peers fail now) and re-raises."""
+    set-up it destroys the default process group (so the peers fail now) and re-raises.
+
+    A non-finite loss (the mean over ranks, checked before backward, every step) stops the run
+    with NonFiniteError on every rank, before the optimizer takes that step; --check-finite adds
+    the per-module checks that name where it started."""
     check_args(a, world)
     check_paths(a)
     torch.manual_seed(a.seed)  # same dense init on every rank; experts seed per expert
@@ -187,6 +191,18 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             if checker:
                 checker.check_loss(loss)
+            stat = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(stat)
+                stat /= world
+            losses.append(stat.item())  # host sync: decides whether to go on
+            if not math.isfinite(losses[-1]):
+                raise failures.NonFiniteError(
+                    f"non-finite loss {losses[-1]} (mean over ranks) at step {step}: the run "
+                    f"diverged; no optimizer step was taken with it. Lower --lr ({a.lr:g}) or "
+                    "--clip, resume from the last checkpoint, or rerun with --check-finite "
+                    "to name the module where it starts"
+                )
             t1 = time.perf_counter()
             where[1] = "backward"
             opt.zero_grad(set_to_none=True)
@@ -203,11 +219,6 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             for m in moe:
                 if m.expert_bias is not None:
                     m.update_expert_bias()
-            stat = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(stat)
-                stat /= world
-            losses.append(stat.item())
             t3 = time.perf_counter()
             times.append(t3 - t0)
             for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
@@ -243,8 +254,8 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     timed = times[1:] or times  # the first step pays one-time setup
     mean = {k: sum(v[1:] or v) / max(1, len(v[1:] or v)) for k, v in parts.items()}
     result = {
-        "initial_loss": losses[0] if losses else float("nan"),
-        "final_loss": losses[-1] if losses else float("nan"),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
         "eval_loss": evals[-1][1] if evals else None,
         "tokens_per_s": tok * len(timed) / sum(timed) if timed else 0.0,
         "steps": last,
@@ -258,8 +269,19 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     if rank == 0:
         if a.plot:
             _plot(losses, evals, a.plot)
-        print(json.dumps(result), flush=True)
+        print(json.dumps(_finite_or_none(result), allow_nan=False), flush=True)
     return result
+
+
+def _finite_or_none(v):
+    """`v` with every non-finite float replaced by None: the summary line stays valid JSON."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite_or_none(x) for x in v]
+    return v
 
 
 def _main(a: argparse.Namespace) -> int:

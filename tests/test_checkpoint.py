@@ -3,6 +3,7 @@ resharded), export to one file, load nothing but tensors, and survive an interru
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -181,3 +182,16 @@ def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp
     with pytest.raises(ValueError, match="weights_only"):
         checkpoint.load(tmp_path, core)
     assert not flag.exists()
+
+
+def test_rotation_never_deletes_the_newest_checkpoint_whose_weights_are_finite(tmp_path):
+    core, opt = build(tiny())
+    checkpoint.save(tmp_path, core, opt, step=1)
+    with torch.no_grad():
+        core.embed.weight.fill_(float("nan"))
+    for step in (2, 3, 4):
+        checkpoint.save(tmp_path, core, opt, step=step)  # keep=2
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000001", "step-00000003", "step-00000004"]
+    assert json.loads((tmp_path / "step-00000001" / "meta.json").read_text())["finite"] is True
+    assert json.loads((tmp_path / "step-00000004" / "meta.json").read_text())["finite"] is False

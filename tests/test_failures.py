@@ -1,17 +1,22 @@
 """A rank that raises, dies or stalls makes the others fail with a clear error within the
-timeout; --check-finite names the layer and the step of the first NaN/Inf."""
+timeout; a non-finite loss stops the run (always), and --check-finite names the layer and the
+step of the first NaN/Inf."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from schemoe import failures
+from schemoe import checkpoint, failures
 from schemoe import train as T
 from schemoe._dist import free_port, init_process_group
 from schemoe.layer import MoELayer
@@ -119,3 +124,36 @@ def test_check_finite_flag_stops_a_diverging_run_naming_module_and_step():
     )
     with pytest.raises(failures.NonFiniteError, match=r"in blocks\.\d\.\S+ \(\w+\).* at step 2"):
         T.train(0, 1, a)
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss_without_check_finite():
+    a = T.parse_args([*TINY, "--steps", "6", "--lr", "1e30", "--warmup", "1", "--clip", "0"])
+    with pytest.raises(failures.NonFiniteError, match=r"non-finite loss (nan|inf).* at step 2"):
+        T.train(0, 1, a)
+
+
+def test_the_summary_line_writes_non_finite_values_as_null_so_it_stays_valid_json():
+    summary = T._finite_or_none({"a": float("nan"), "b": [1.0, float("inf")], "c": [[2, 3.5]]})
+    assert json.loads(json.dumps(summary, allow_nan=False)) == {
+        "a": None,
+        "b": [1.0, None],
+        "c": [[2, 3.5]],
+    }
+
+
+def test_diverging_command_exits_non_zero_naming_the_step_and_keeps_the_last_finite_checkpoint(
+    tmp_path,
+):
+    d = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "schemoe", "train", *TINY, "--nproc", "2", "--steps", "6"]
+    cmd += ["--lr", "1e30", "--warmup", "1", "--clip", "0", "--save", str(d), "--save-every", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode != 0
+    # (stderr also carries torch's FutureWarning about DDP's broadcast_buffers, per rank)
+    first = next(x for x in run.stderr.splitlines() if x.startswith("schemoe train: error: "))
+    assert first.startswith("schemoe train: error: distributed run failed: rank ")
+    assert re.search(r"raised NonFiniteError: non-finite loss (nan|inf) .*at step 2", first), first
+    assert "NaN" not in run.stdout and not run.stdout.strip().endswith("}")  # no summary line
+    assert (d / "latest").read_text() == "step-00000001"
+    core = GPT(GPTConfig(seq_len=32, layers=2, heads=2), T.moe_config_from_args(T.parse_args(TINY)))
+    assert checkpoint.load(d, core).step == 1
