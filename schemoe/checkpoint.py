@@ -41,6 +41,7 @@ from torch import nn
 
 from ._cli_util import guard
 from .checkpoint_files import agree as _agree
+from .checkpoint_files import checked, collect_digests, rotate, write_digests
 from .checkpoint_files import fsync_dir as _fsync_dir
 from .checkpoint_files import rank_world as _rank_world
 from .checkpoint_files import read as _read
@@ -93,11 +94,13 @@ def _optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
     return [names[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every model/optimizer tensor of a checkpoint folder (memory-mapped)."""
-    out = _read(folder / "dense.pt")
-    for f in sorted(folder.glob("experts-*.pt")):
-        out.update(_read(f))
+def _tensors(folder: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every model/optimizer tensor of a checkpoint folder (memory-mapped), each file checked
+    against meta.json's digests first."""
+    names = ["dense.pt", *(f"experts-{r:05d}.pt" for r in range(int(meta["world_size"])))]
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update(_read(checked(folder, name, meta)))
     return out
 
 
@@ -136,7 +139,8 @@ def save(
     _agree(True)
     ok, err, finite = True, None, True
     try:
-        finite = _write_rank_files(tmp, model, optimizer, rng, rank)
+        finite, names = _write_rank_files(tmp, model, optimizer, rng, rank)
+        write_digests(tmp, names, rank)
     except BaseException as e:  # noqa: BLE001 (re-raised below, after telling the others)
         ok, err = False, e
     if not _agree(ok):
@@ -148,6 +152,7 @@ def save(
     if rank == 0:
         info = {"format": FORMAT, "step": step, "world_size": world, "finite": finite}
         info.update(meta or {})
+        info["files"] = collect_digests(tmp)
         _write(json.dumps(info, indent=1), tmp / "meta.json")
         n = 1
         while final.exists():  # never rename onto a live checkpoint
@@ -155,20 +160,9 @@ def save(
         os.replace(tmp, final)
         _fsync_dir(root)
         _write(final.name, root / "latest")
-        _rotate(root, keep)
+        rotate(root, keep)
     _agree(True)
     return root / (root / "latest").read_text().strip()
-
-
-def _rotate(root: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete checkpoints, except the newest whose tensors
-    are all finite: a diverged run never rotates away its last good state."""
-    done = [p for p in root.glob("step-*") if p.suffix != ".tmp" and (p / "meta.json").exists()]
-    done.sort(key=lambda p: (p / "meta.json").stat().st_mtime_ns)  # write order
-    good = [p for p in done if json.loads((p / "meta.json").read_text()).get("finite", True)]
-    for old in done[: max(0, len(done) - keep)]:
-        if not good or old != good[-1]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _finite(tensors: dict[str, torch.Tensor]) -> bool:
@@ -176,8 +170,11 @@ def _finite(tensors: dict[str, torch.Tensor]) -> bool:
     return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
 
 
-def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) -> bool:
-    """Write this rank's files into `tmp`; whether every model/optimizer tensor is finite."""
+def _write_rank_files(
+    tmp: Path, model: nn.Module, optimizer, rng, rank: int
+) -> tuple[bool, list[str]]:
+    """Write this rank's files into `tmp`; (whether every model/optimizer tensor is finite,
+    the names of the files written)."""
     experts = _expert_keys(model)
     state = optimizer.state if optimizer is not None else {}
     params = dict(model.named_parameters())
@@ -206,12 +203,13 @@ def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) ->
                 continue
             for key, i in experts[name]:
                 mine[f"optim/{k}/{key}"] = (v if i is None else v[i]).detach().clone()
-    if rank == 0:
-        _write(dense, tmp / "dense.pt")
-    _write(mine, tmp / f"experts-{rank:05d}.pt")
+    files = {"dense.pt": dense} if rank == 0 else {}
+    files[f"experts-{rank:05d}.pt"] = mine
     if rng is not None:
-        _write(dict(rng), tmp / f"rng-{rank:05d}.pt")
-    return _finite(mine) and (rank != 0 or _finite(dense))
+        files[f"rng-{rank:05d}.pt"] = dict(rng)
+    for name, tensors in files.items():
+        _write(tensors, tmp / name)
+    return _finite(mine) and (rank != 0 or _finite(dense)), list(files)
 
 
 @dataclass(frozen=True)
@@ -260,9 +258,9 @@ def load(
         meta = json.loads((folder / "meta.json").read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"{folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        tensors, step = _tensors(folder), int(meta["step"])
+        tensors, step = _tensors(folder, meta), int(meta["step"])
         same = meta["world_size"] == world and (folder / f"rng-{rank:05d}.pt").exists()
-        rng = _read(folder / f"rng-{rank:05d}.pt") if same else None
+        rng = _read(checked(folder, f"rng-{rank:05d}.pt", meta)) if same else None
     _load_model(model, tensors, path)
     if optimizer is not None:
         _load_optimizer(model, optimizer, tensors)
@@ -339,7 +337,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     """
     folder = resolve(Path(src))
     meta = json.loads((folder / "meta.json").read_text())
-    tensors = _tensors(folder)
+    tensors = _tensors(folder, meta)
     state: dict[str, torch.Tensor] = {}
     stacked: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for key, v in tensors.items():
