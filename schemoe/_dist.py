@@ -2,23 +2,28 @@
 
 Used by the tests, the benchmarks and `schemoe train --nproc P`. Every rank gets the usual launcher
 environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) so code run
-here behaves as under torchrun. A rank that raises makes `spawn` raise with that rank's traceback;
-a group that does not finish within `timeout` is killed and `spawn` raises TimeoutError, so a
-broken collective never hangs the caller.
+here behaves as under torchrun. A rank that raises makes `spawn` raise a RuntimeError whose first
+line names the rank and its exception ("distributed run failed: rank 0 raised ValueError: ...")
+and whose rest is that rank's traceback; a group that does not finish within `timeout` is killed
+and `spawn` raises TimeoutError, so a broken collective never hangs the caller.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from ._lifeline import die_with_parent, on_signals
 
 __all__ = ["free_port", "init_process_group", "spawn"]
 
@@ -36,7 +41,8 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _worker(rank, world, port, fn, args, results, threads, timeout_s):
+def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent):
+    die_with_parent(parent)  # even a launcher killed by SIGKILL takes its ranks along
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -55,8 +61,9 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s):
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that
         # die with this process before the parent reads them.
         results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 (every failure, even KeyboardInterrupt, goes to the parent)
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 (every failure, even KeyboardInterrupt, goes to the parent)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        results.put((rank, False, (f"{type(e).__name__}: {first}", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -73,7 +80,9 @@ def spawn(
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return results by rank.
 
     `timeout` bounds every collective; `run_timeout` the whole run (default: timeout + 30 s).
-    `fn` must be importable (module level) and its return value picklable.
+    `fn` must be importable (module level) and its return value picklable. The ranks die with
+    the caller: SIGTERM/SIGHUP to it are forwarded to them (then SystemExit(128 + signal)), and
+    each rank has a parent-death guard for a caller killed outright (schemoe._lifeline).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -83,49 +92,64 @@ def spawn(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, results, threads, timeout),
+            args=(r, world_size, port, fn, args, results, threads, timeout, os.getpid()),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     limit = run_timeout if run_timeout is not None else timeout + 30.0
     deadline = time.monotonic() + limit
+
+    def forward(signum: int) -> None:
+        errors.append(f"the launcher got signal {signum}; its ranks were stopped")
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
     try:
-        while len(out) + len(errors) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"{world_size}-rank run of {getattr(fn, '__name__', fn)} did not finish in "
-                    f"{limit:.0f}s; finished ranks: {sorted(out)}"
-                )
-            try:
-                rank, ok, val = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and not errors:
-                    errors.append(
-                        f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}"
-                    )
-                    break
-                continue
-            if ok:
-                out[rank] = pickle.loads(val)
-            else:
-                errors.append(f"--- rank {rank} ---\n{val}")
-                break  # the others will fail or hang on the missing peer; stop them
+        with on_signals(forward):
+            for p in procs:
+                p.start()
+            _collect(procs, results, out, errors, deadline, limit, fn)
     finally:
         for p in procs:
-            p.join(timeout=0.5 if errors else 10.0)
+            if p.pid is not None:
+                p.join(timeout=0.5 if errors else 10.0)
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        raise RuntimeError("distributed run failed: " + "\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def _collect(procs, results, out, errors, deadline, limit, fn) -> None:
+    """Fill `out` (rank -> result) until every rank reported; stop at the first error."""
+    world_size = len(procs)
+    while len(out) + len(errors) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"{world_size}-rank run of {getattr(fn, '__name__', fn)} did not finish in "
+                f"{limit:.0f}s; finished ranks: {sorted(out)}"
+            )
+        try:
+            rank, ok, val = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead and not errors:
+                errors.append(
+                    f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}"
+                )
+                return
+            continue
+        if ok:
+            out[rank] = pickle.loads(val)
+        else:
+            summary, tb = val
+            errors.append(f"rank {rank} raised {summary}\n--- rank {rank} ---\n{tb}")
+            return  # the others will fail or hang on the missing peer; stop them

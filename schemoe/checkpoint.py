@@ -37,23 +37,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ._cli_util import guard
+from .checkpoint_files import agree as _agree
+from .checkpoint_files import checked, collect_digests, rotate, write_digests
+from .checkpoint_files import fsync_dir as _fsync_dir
+from .checkpoint_files import rank_world as _rank_world
+from .checkpoint_files import read as _read
+from .checkpoint_files import write as _write
 from .experts import ModuleExperts
 from .layer import MoELayer
 from .parallel import is_expert_param
 
-__all__ = ["Loaded", "export", "export_model", "load", "load_export", "register", "save"]
+__all__ = [
+    "Loaded",
+    "export",
+    "export_model",
+    "load",
+    "load_export",
+    "register",
+    "resolve",
+    "save",
+]
 
 FORMAT, EXPORT_FORMAT = "schemoe-checkpoint/1", "schemoe-export/1"
 _STACKED = re.compile(r"^(.*)\[(\d+)\]$")
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -85,54 +94,14 @@ def _optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
     return [names[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
-def _write(obj: dict[str, torch.Tensor] | str, path: Path) -> None:
-    """Tensors (torch.save) or text to a temporary name, fsync, rename, fsync the folder: a
-    reader never sees half a file, and the rename survives a crash."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if isinstance(obj, str):
-            f.write(obj.encode())
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # UnpicklingError for anything that is not plain tensors
-        raise ValueError(
-            f"{path} is not a loadable checkpoint file (tensors only, weights_only=True): {e}"
-        ) from e
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every model/optimizer tensor of a checkpoint folder (memory-mapped)."""
-    out = _read(folder / "dense.pt")
-    for f in sorted(folder.glob("experts-*.pt")):
-        out.update(_read(f))
+def _tensors(folder: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every model/optimizer tensor of a checkpoint folder (memory-mapped), each file checked
+    against meta.json's digests first."""
+    names = ["dense.pt", *(f"experts-{r:05d}.pt" for r in range(int(meta["world_size"])))]
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update(_read(checked(folder, name, meta)))
     return out
-
-
-def _agree(ok: bool) -> bool:
-    """Whether every rank succeeded (a collective: also a barrier)."""
-    _, world = _rank_world()
-    if world == 1:
-        return ok
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def save(
@@ -153,7 +122,9 @@ def save(
         step: optimizer steps taken so far.
         rng: this rank's RNG states, e.g. {"torch": torch.get_rng_state(), "data": g.get_state()}.
         meta: JSON-serialisable extras (run arguments, loss history), stored in meta.json.
-        keep: complete checkpoints to keep (older ones are deleted after the new one is live).
+        keep: complete checkpoints to keep (older ones are deleted after the new one is live),
+            besides the newest one whose tensors are all finite (meta.json's "finite"), which
+            is never deleted.
 
     Returns the folder of the new checkpoint.
     """
@@ -166,18 +137,22 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted write
         tmp.mkdir()
     _agree(True)
-    ok, err = True, None
+    ok, err, finite = True, None, True
     try:
-        _write_rank_files(tmp, model, optimizer, rng, rank)
+        finite, names = _write_rank_files(tmp, model, optimizer, rng, rank)
+        write_digests(tmp, names, rank)
     except BaseException as e:  # noqa: BLE001 (re-raised below, after telling the others)
         ok, err = False, e
     if not _agree(ok):
         if err is not None:
             raise err
         raise RuntimeError(f"checkpoint {tmp}: another rank failed to write its files")
+    finite = _agree(finite)
     final = root / name
     if rank == 0:
-        info = {"format": FORMAT, "step": step, "world_size": world, **(meta or {})}
+        info = {"format": FORMAT, "step": step, "world_size": world, "finite": finite}
+        info.update(meta or {})
+        info["files"] = collect_digests(tmp)
         _write(json.dumps(info, indent=1), tmp / "meta.json")
         n = 1
         while final.exists():  # never rename onto a live checkpoint
@@ -185,16 +160,21 @@ def save(
         os.replace(tmp, final)
         _fsync_dir(root)
         _write(final.name, root / "latest")
-        done = [p for p in root.glob("step-*") if p.suffix != ".tmp" and p != final]
-        done = [p for p in done if (p / "meta.json").exists()]
-        done.sort(key=lambda p: (p / "meta.json").stat().st_mtime_ns)  # write order
-        for old in done[: max(0, len(done) + 1 - keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        rotate(root, keep)
     _agree(True)
     return root / (root / "latest").read_text().strip()
 
 
-def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) -> None:
+def _finite(tensors: dict[str, torch.Tensor]) -> bool:
+    # a host sync per tensor, at save time only
+    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
+
+
+def _write_rank_files(
+    tmp: Path, model: nn.Module, optimizer, rng, rank: int
+) -> tuple[bool, list[str]]:
+    """Write this rank's files into `tmp`; (whether every model/optimizer tensor is finite,
+    the names of the files written)."""
     experts = _expert_keys(model)
     state = optimizer.state if optimizer is not None else {}
     params = dict(model.named_parameters())
@@ -223,11 +203,13 @@ def _write_rank_files(tmp: Path, model: nn.Module, optimizer, rng, rank: int) ->
                 continue
             for key, i in experts[name]:
                 mine[f"optim/{k}/{key}"] = (v if i is None else v[i]).detach().clone()
-    if rank == 0:
-        _write(dense, tmp / "dense.pt")
-    _write(mine, tmp / f"experts-{rank:05d}.pt")
+    files = {"dense.pt": dense} if rank == 0 else {}
+    files[f"experts-{rank:05d}.pt"] = mine
     if rng is not None:
-        _write(dict(rng), tmp / f"rng-{rank:05d}.pt")
+        files[f"rng-{rank:05d}.pt"] = dict(rng)
+    for name, tensors in files.items():
+        _write(tensors, tmp / name)
+    return _finite(mine) and (rank != 0 or _finite(dense)), list(files)
 
 
 @dataclass(frozen=True)
@@ -240,11 +222,22 @@ class Loaded:
     rng: dict[str, torch.Tensor] | None
 
 
-def _resolve(path: Path) -> Path:
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint folder `path` names: itself (a step-N folder) or the one its `latest`
+    names. Raises ValueError saying what is missing."""
+    path = Path(path)
     if (path / "meta.json").exists():
         return path
     if (path / "latest").exists():
-        return path / (path / "latest").read_text().strip()
+        name = (path / "latest").read_text().strip()
+        folder = path / name
+        if not (folder / "meta.json").exists():
+            what = "has no meta.json" if folder.is_dir() else "does not exist"
+            raise ValueError(
+                f"{str(path)!r}: its 'latest' names {name!r}, which {what}; pass one of its "
+                "step-N folders instead"
+            )
+        return folder
     raise ValueError(f"{str(path)!r} holds no checkpoint (no 'latest' and no meta.json)")
 
 
@@ -261,13 +254,13 @@ def load(
         tensors = {f"model/{k}": v for k, v in state.items()}
         step, rng = int(meta.get("step", 0)), None
     else:
-        folder = _resolve(path)
+        folder = resolve(path)
         meta = json.loads((folder / "meta.json").read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"{folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        tensors, step = _tensors(folder), int(meta["step"])
+        tensors, step = _tensors(folder, meta), int(meta["step"])
         same = meta["world_size"] == world and (folder / f"rng-{rank:05d}.pt").exists()
-        rng = _read(folder / f"rng-{rank:05d}.pt") if same else None
+        rng = _read(checked(folder, f"rng-{rank:05d}.pt", meta)) if same else None
     _load_model(model, tensors, path)
     if optimizer is not None:
         _load_optimizer(model, optimizer, tensors)
@@ -342,9 +335,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     The file is {"format", "meta" (JSON text), "state"}: `state` is the state_dict of the
     one-rank model, so `model.load_state_dict(load_export(out)[0])` restores it.
     """
-    folder = _resolve(Path(src))
+    folder = resolve(Path(src))
     meta = json.loads((folder / "meta.json").read_text())
-    tensors = _tensors(folder)
+    tensors = _tensors(folder, meta)
     state: dict[str, torch.Tensor] = {}
     stacked: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for key, v in tensors.items():
@@ -394,4 +387,9 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="merge a (sharded) checkpoint into one inference file")
     p.add_argument("checkpoint", help="checkpoint folder (its latest) or one step-N folder")
     p.add_argument("out", help="output file")
-    p.set_defaults(func=lambda a: print(export(a.checkpoint, a.out)) or 0)
+    p.set_defaults(func=guard("schemoe export", _export_command))
+
+
+def _export_command(a) -> int:
+    print(export(a.checkpoint, a.out))
+    return 0

@@ -6,8 +6,9 @@ Two mechanisms, both used by `schemoe train`:
   (`init_process_group(timeout=...)`, `--timeout`). A rank that raises calls `abort()`, which
   tears down its process group so its peers' pending transfers fail within milliseconds
   ("connection reset") instead of waiting for the timeout; a rank that dies has the same effect;
-  a rank that stalls is caught by the timeout. `is_peer_failure(e)` recognises the backend's error
-  and `PeerFailure` says where (rank, step, phase) it was seen.
+  a rank that stalls is caught by the timeout. `is_peer_failure(e)` recognises the backend's
+  messages for a closed connection or a timeout (nothing else), and `PeerFailure` says which it
+  was and where (rank, step, phase) it was seen.
 - Non-finite values (`--check-finite`). `FiniteChecker` puts a forward hook on every module and
   checks each floating-point output; the first module whose output is NaN/Inf (its inputs were
   finite, or an earlier hook would have fired) is named with the step, and after backward every
@@ -34,12 +35,38 @@ class NonFiniteError(FloatingPointError):
     """A module produced NaN/Inf (forward) or a parameter got a NaN/Inf gradient (backward)."""
 
 
+# What the backends say when a peer is gone (gloo raises plain RuntimeErrors naming its transport,
+# "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ..."; NCCL's watchdog and
+# aborted communicators say so too): (text, cause). Matched case-sensitively, first match wins.
+_SIGNS = (
+    ("Connection closed by peer", "closed"),
+    ("Connection reset by peer", "closed"),
+    ("Broken pipe", "closed"),
+    ("Connection refused", "closed"),
+    ("Timed out waiting", "timeout"),  # gloo: "Timed out waiting 4000ms for send operation"
+    ("collective operation timeout", "timeout"),  # NCCL watchdog
+    ("NCCL communicator was aborted", "closed"),
+    ("ncclRemoteError", "closed"),
+)
+_BACKENDS = ("gloo", "NCCL", "nccl", "c10d")
+
+
+def _cause(e: BaseException) -> str | None:
+    """ "closed" (a peer's connection went away), "timeout" (a peer stayed silent past the
+    timeout) or None (not a recognised backend message)."""
+    text = str(e)
+    if not any(b in text for b in _BACKENDS):
+        return None
+    return next((cause for sign, cause in _SIGNS if sign in text), None)
+
+
 def is_peer_failure(e: BaseException) -> bool:
-    """Whether `e` is the backend reporting a lost or silent peer (gloo, NCCL, the store)."""
+    """Whether `e` is the backend reporting a lost or silent peer (gloo, NCCL, the store): a
+    PeerFailure, torch's DistError, or a RuntimeError carrying one of the backends' messages
+    for a closed connection or a timeout. Any other error (even one mentioning gloo) is not."""
     if isinstance(e, PeerFailure | dist.DistError):
         return True
-    # gloo raises plain RuntimeErrors whose text names its transport ("gloo/transport/tcp/...").
-    return isinstance(e, RuntimeError) and "gloo" in str(e)
+    return isinstance(e, RuntimeError) and _cause(e) is not None
 
 
 def abort() -> None:
@@ -52,14 +79,24 @@ def abort() -> None:
 def peer_failure(
     e: BaseException, rank: int, step: int, phase: str, timeout: datetime.timedelta | float | None
 ) -> PeerFailure:
-    """The PeerFailure to raise from `e`, which `is_peer_failure` accepted."""
+    """The PeerFailure to raise from `e`, which `is_peer_failure` accepted. It says what the
+    backend saw: a peer that closed its connection (it died or raised; seen at once), or one
+    that stayed silent past the timeout (it stalls, or died without closing)."""
     t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    within = f" within the {t:g}s timeout (--timeout)" if t else ""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return PeerFailure(
-        f"rank {rank}, step {step} ({phase}): a collective did not complete{within}; another "
-        f"rank died, raised or stalled: see its own error above. Backend said: {first}"
-    )
+    where = f"rank {rank}, step {step} ({phase})"
+    cause = _cause(e)
+    if cause == "closed":
+        what = "another rank closed its connection: it died or raised (see its own error above)"
+    elif cause == "timeout":
+        within = f"within the {t:g}s timeout (--timeout)" if t else "within the timeout"
+        what = (
+            f"a collective did not complete {within}: another rank stalled, or died or "
+            "raised without closing its connection (see its own error above)"
+        )
+    else:
+        what = "a collective failed: another rank may have died, raised or stalled"
+    return PeerFailure(f"{where}: {what}. Backend said: {first}")
 
 
 def _bad(t: torch.Tensor) -> int:

@@ -111,18 +111,29 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.embed.weight.t(), aux
 
 
-def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
-    """Byte tokens of a text file, a folder of .py/.txt/.md files, or the Python stdlib sources."""
+def _corpus_files(path: str | None) -> tuple[Path, list[Path]]:
     root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
     if not root.exists():
         raise ValueError(f"corpus path {str(root)!r} does not exist")
-    files = (
-        [root]
-        if root.is_file()
-        else sorted(
-            p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file()
-        )
-    )
+    if root.is_file():
+        return root, [root]
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file())
+    return root, files
+
+
+def corpus_size(path: str | None, max_bytes: int) -> int:
+    """The number of tokens `load_corpus(path, max_bytes)` returns, from file sizes (no read)."""
+    total = 0
+    for f in _corpus_files(path)[1]:
+        if total >= max_bytes:
+            break
+        total += min(f.stat().st_size, max_bytes - total)
+    return total
+
+
+def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Byte tokens of a text file, a folder of .py/.txt/.md files, or the Python stdlib sources."""
+    root, files = _corpus_files(path)
     buf = bytearray()
     for f in files:
         if len(buf) >= max_bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,15 +105,20 @@ class Topology:
 
     def timeout(self) -> datetime.timedelta | None:
         """The parent group's collective timeout, so sub-groups raise as soon as it would
-        (new_group's own default is 30 minutes). None when the backend does not say."""
-        pg = self.group if self.group is not None else c10d._get_default_group()
-        try:
-            backend = pg._get_backend(
-                torch.device("cpu" if dist.get_backend(pg) == "gloo" else "cuda")
-            )
-            return backend.options._timeout
-        except (AttributeError, RuntimeError):
-            return None
+        (new_group's own default is 30 minutes). When the parent's backend does not say, the
+        default group's; when neither says, None (torch's default) with a RuntimeWarning."""
+        for pg in (self.group, None):
+            t = _group_timeout(pg)
+            if t is not None:
+                return t
+        warnings.warn(
+            "schemoe: cannot read the process group's timeout from its backend; sub-groups get "
+            "torch's default (30 minutes for gloo, 10 for NCCL), so a lost peer may take that "
+            "long to be reported",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
     def node_groups(self) -> list[Any]:
         """One group per node (its local ranks); created on every rank in node order."""
@@ -123,3 +129,15 @@ class Topology:
         """One group per local rank (the same-local-rank peers on every node)."""
         rpn = self.ranks_per_node
         return [self.subgroup(tuple(range(lr, self.world, rpn))) for lr in range(rpn)]
+
+
+def _group_timeout(group: Any) -> datetime.timedelta | None:
+    """`group`'s (None: the default group's) backend timeout, or None where it cannot be read
+    (torch keeps it on the backend's options, which not every backend exposes)."""
+    try:
+        pg = group if group is not None else c10d._get_default_group()
+        device = torch.device("cpu" if dist.get_backend(pg) == "gloo" else "cuda")
+        t = pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return None
+    return t if isinstance(t, datetime.timedelta) else None

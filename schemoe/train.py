@@ -17,7 +17,6 @@ over all ranks, whatever P. AdamW, linear warm-up then cosine decay, clipping by
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -30,73 +29,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, failures
+from ._cli_util import guard
 from ._dist import init_process_group, spawn
 from .autotune import AutoTuner
-from .config import (
-    CollectiveConfig,
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
-from .gradsync import COMPRESS, GRAD_SYNCS, SYNCS, data_parallel
+from .gradsync import data_parallel
 from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
 from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
+from .train_args import (
+    add_arguments,
+    check_args,
+    check_corpus,
+    check_paths,
+    moe_config_from_args,
+    parse_args,
+    validate,
+)
 
 __all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args", "register", "train"]
-
-
-def _options(items: list[str]) -> dict[str, dict]:
-    """["zfp.rate=4", ...] -> {"zfp": {"rate": 4}}; values are JSON, else strings."""
-    out: dict[str, dict] = {}
-    for it in items:
-        name, _, rest = it.partition(".")
-        key, eq, val = rest.partition("=")
-        if not (name and key and eq):
-            raise ValueError(f"--compress-option must look like NAME.KEY=VALUE, got {it!r}")
-        try:
-            val = json.loads(val)
-        except json.JSONDecodeError:
-            pass  # a plain string
-        out.setdefault(name, {})[key] = val
-    return out
-
-
-def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
-    """Every MoEConfig field, from the command line."""
-    return MoEConfig(
-        gate=GateConfig(
-            num_experts=a.experts,
-            top_k=a.top_k,
-            capacity_factor=a.capacity_factor,
-            renormalize=a.renormalize,
-            noise_std=a.noise_std,
-            priority=a.priority,
-            aux_loss_weight=a.aux_loss_weight,
-            z_loss_weight=a.z_loss_weight,
-            bias_update_rate=a.bias_update_rate,
-        ),
-        experts=ExpertConfig(
-            model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation, bias=a.expert_bias
-        ),
-        # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares),
-        # so capacity-mode splits follow from the config: no counts exchange, no host sync.
-        parallel=ParallelConfig(ranks_per_node=a.ranks_per_node, uniform_tokens=True),
-        schedule=ScheduleConfig(
-            policy=a.policy,
-            chunks=a.chunks,
-            accuracy_budget=a.budget,
-            trials=a.trials,
-            shortlist=a.shortlist,
-        ),
-        collective=CollectiveConfig(algorithm=a.algorithm),
-        compression=CompressionConfig(
-            forward=a.compress, backward=a.compress_backward, options=_options(a.compress_option)
-        ),
-    )
 
 
 def lr_at(step: int, a: argparse.Namespace) -> float:
@@ -162,31 +112,19 @@ def _plot(losses: list[float], evals: list[list[float]], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _check(a: argparse.Namespace) -> None:
-    for n, lo in (
-        ("steps", 1),
-        ("batch", 1),
-        ("seq_len", 1),
-        ("save_every", 0),
-        ("clip", 0),
-        ("eval_every", 0),
-        ("eval_seqs", 0),
-        ("warmup", 0),
-        ("stop_after", 0),
-    ):
-        if (v := getattr(a, n)) is not None and v < lo:
-            raise ValueError(f"--{n.replace('_', '-')} must be >= {lo}, got {v}")
-    if a.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'schemoe[plot]'")
-
-
 def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     """One rank's training run (torch.distributed initialised when world > 1); returns the
     summary that rank 0 prints as JSON. Resumes from --resume, saves to --save. On an error after
-    set-up it destroys the default process group (so the peers fail now) and re-raises."""
-    _check(a)
+    set-up it destroys the default process group (so the peers fail now) and re-raises.
+
+    A non-finite loss (the mean over ranks, checked before backward, every step) stops the run
+    with NonFiniteError on every rank, before the optimizer takes that step; --check-finite adds
+    the per-module checks that name where it started."""
+    check_args(a, world)
+    check_paths(a)
     torch.manual_seed(a.seed)  # same dense init on every rank; experts seed per expert
     data = load_corpus(a.corpus, a.corpus_bytes)
+    check_corpus(a, data.numel())
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
     core = GPT(
@@ -260,6 +198,18 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             if checker:
                 checker.check_loss(loss)
+            stat = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(stat)
+                stat /= world
+            losses.append(stat.item())  # host sync: decides whether to go on
+            if not math.isfinite(losses[-1]):
+                raise failures.NonFiniteError(
+                    f"non-finite loss {losses[-1]} (mean over ranks) at step {step}: the run "
+                    f"diverged; no optimizer step was taken with it. Lower --lr ({a.lr:g}) or "
+                    "--clip, resume from the last checkpoint, or rerun with --check-finite "
+                    "to name the module where it starts"
+                )
             t1 = time.perf_counter()
             where[1] = "backward"
             opt.zero_grad(set_to_none=True)
@@ -276,11 +226,6 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             for m in moe:
                 if m.expert_bias is not None:
                     m.update_expert_bias()
-            stat = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(stat)
-                stat /= world
-            losses.append(stat.item())
             t3 = time.perf_counter()
             times.append(t3 - t0)
             for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
@@ -316,8 +261,8 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     timed = times[1:] or times  # the first step pays one-time setup
     mean = {k: sum(v[1:] or v) / max(1, len(v[1:] or v)) for k, v in parts.items()}
     result = {
-        "initial_loss": losses[0] if losses else float("nan"),
-        "final_loss": losses[-1] if losses else float("nan"),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
         "eval_loss": evals[-1][1] if evals else None,
         "tokens_per_s": tok * len(timed) / sum(timed) if timed else 0.0,
         "steps": last,
@@ -331,13 +276,26 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     if rank == 0:
         if a.plot:
             _plot(losses, evals, a.plot)
-        print(json.dumps(result), flush=True)
+        print(json.dumps(_finite_or_none(result), allow_nan=False), flush=True)
     return result
 
 
+def _finite_or_none(v):
+    """`v` with every non-finite float replaced by None: the summary line stays valid JSON."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite_or_none(x) for x in v]
+    return v
+
+
 def _main(a: argparse.Namespace) -> int:
-    _check(a)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun / srun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun / srun
+    # Every argument is checked before a rank starts (under torchrun: before the group forms).
+    validate(a, None if torchrun else a.nproc)
+    if torchrun:
         torch.set_num_threads(a.threads)
         init_process_group("gloo", a.timeout)
         try:
@@ -351,101 +309,10 @@ def _main(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--nproc", type=int, default=4, help="local ranks to spawn (default 4)")
-    a("--steps", type=int, default=40, help="total steps (the LR schedule's length)")
-    a("--batch", type=int, default=8, help="sequences per rank per step")
-    a("--seq-len", type=int, default=64)
-    a("--layers", type=int, default=4)
-    a("--heads", type=int, default=4)
-    a("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
-    m = p.add_argument_group("MoE layer (every MoEConfig field)").add_argument
-    m("--dim", type=int, default=128, help="model dim")
-    m("--hidden", type=int, default=256, help="expert (and dense FFN) hidden dim")
-    m("--experts", type=int, default=8)
-    m("--top-k", type=int, default=2)
-    m("--capacity-factor", type=float, default=1.25, help="0 = dropless")
-    m("--renormalize", action=argparse.BooleanOptionalAction, default=True)
-    m("--noise-std", type=float, default=0.0, help="router logit noise in training")
-    m("--priority", default="position", help="position | score")
-    m("--aux-loss-weight", type=float, default=0.01)
-    m("--z-loss-weight", type=float, default=0.0)
-    m("--bias-update-rate", type=float, default=0.0, help="> 0: aux-loss-free expert bias")
-    m("--activation", default="gelu", help="relu | gelu | swiglu")
-    m("--expert-bias", action="store_true", help="biases in the expert FFNs")
-    m("--ranks-per-node", type=int, default=None)
-    m("--policy", default="schemoe", help="a policy name, or auto (the cost model chooses)")
-    m("--chunks", type=int, default=2)
-    m("--budget", default="lossless", help="auto: lossless | fp16 | lossy compressors allowed")
-    m("--trials", type=int, default=5, help="auto: timed calls per shortlisted candidate")
-    m("--shortlist", type=int, default=4, help="auto: candidates the model shortlists")
-    m("--algorithm", default="naive")
-    m("--compress", default="none", help="forward (activation) compressor")
-    m("--compress-backward", default="none", help="gradient compressor")
-    m(
-        "--compress-option",
-        action="append",
-        default=[],
-        metavar="NAME.KEY=VALUE",
-        help="compressor option, e.g. zfp.rate=4 (repeatable)",
-    )
-    o = p.add_argument_group("optimisation and evaluation").add_argument
-    o("--lr", type=float, default=3e-3, help="peak learning rate")
-    o("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
-    o("--warmup", type=int, default=None, help="linear warm-up steps (default steps // 10)")
-    o("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
-    o("--clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
-    o("--eval-every", type=int, default=20, help="eval loss every n steps (and at the end)")
-    o("--eval-seqs", type=int, default=64, help="held-out sequences per eval (0 = no eval)")
-    o("--seed", type=int, default=0)
-    o("--corpus", default=None, help="text file or folder (default: Python stdlib)")
-    o("--corpus-bytes", type=int, default=4_000_000)
-    s = p.add_argument_group("gradient synchronisation (dense weights)").add_argument
-    s(
-        "--grad-sync",
-        default="ddp",
-        choices=SYNCS,
-        help="ddp: DDP's all-reduce; scheduled: buckets posted into idle network time",
-    )
-    s(
-        "--grad-compress",
-        default="none",
-        choices=sorted(COMPRESS),
-        help="bucket dtype on the wire (ddp: torch's bf16/fp16 compress hooks)",
-    )
-    s(
-        "--grad-algorithm",
-        default="flat",
-        choices=GRAD_SYNCS.names(),
-        help="scheduled: flat all-reduce, or hier (node reduce, leaders, node broadcast)",
-    )
-    s("--bucket-mb", type=float, default=None,
-      help="DDP bucket size in MiB (default 25 with ddp, 1 with scheduled)")  # fmt: skip
-    r = p.add_argument_group("checkpoints, output, failures").add_argument
-    r("--save", default=None, metavar="DIR", help="checkpoint folder (written at the end)")
-    r("--save-every", type=int, default=0, help="also save every n steps")
-    r("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any rank count)")
-    r("--stop-after", type=int, default=None, help="stop at this step (resume later)")
-    r("--export", default=None, metavar="PATH", help="single-file unsharded model at the end")
-    r("--plot", default=None, metavar="PNG", help="loss curve image (rank 0)")
-    r("--log-every", type=int, default=5)
-    r("--check-finite", action="store_true", help="name the layer/step of the first NaN/Inf")
-    r("--threads", type=int, default=1, help="torch threads per rank")
-    r("--timeout", type=float, default=600.0, help="collective timeout, seconds")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The `schemoe train` arguments (defaults for anything not in argv)."""
-    p = argparse.ArgumentParser(prog="schemoe train")
-    add_arguments(p)
-    return p.parse_args(argv)
-
-
 def register(sub) -> None:
     p = sub.add_parser("train", help="expert-parallel training run of a small MoE GPT")
     add_arguments(p)
-    p.set_defaults(func=_main)
+    p.set_defaults(func=guard("schemoe train", _main))
 
 
 if __name__ == "__main__":

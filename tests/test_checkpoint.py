@@ -3,10 +3,13 @@ resharded), export to one file, load nothing but tensors, and survive an interru
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import struct
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train_cases
-from schemoe import checkpoint
+from schemoe import checkpoint, checkpoint_files
 from schemoe import train as T
 from schemoe._dist import spawn
 from schemoe.lm import GPT, GPTConfig, eval_windows, evaluate, load_corpus
@@ -72,10 +75,10 @@ def test_checkpoint_written_on_four_ranks_loads_on_two_and_one_and_exports(tmp_p
     got = checkpoint.load(d, core, opt)
     assert got.step == 3 and got.rng is None  # RNG streams only restore on the same P
     checkpoint.save(d1, core, opt, step=3)
-    ref = tensors_of(checkpoint._resolve(Path(d)))
+    ref = tensors_of(checkpoint.resolve(Path(d)))
     assert any(k.startswith("optim/exp_avg_sq/") and "experts.w1_EMH[3]" in k for k in ref)
     for other in (d2, d1):
-        got_t = tensors_of(checkpoint._resolve(Path(other)))
+        got_t = tensors_of(checkpoint.resolve(Path(other)))
         assert got_t.keys() == ref.keys()
         for k in ref:
             assert torch.equal(got_t[k], ref[k]), k
@@ -175,9 +178,71 @@ class _Exploit:
 def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp_path):
     core, opt = build(tiny())
     checkpoint.save(tmp_path, core, opt, step=1)
-    folder = checkpoint._resolve(tmp_path)
+    folder = checkpoint.resolve(tmp_path)
     flag = tmp_path / "pwned"
     torch.save({"model/embed.weight": _Exploit(str(flag))}, folder / "dense.pt")
+    meta = json.loads((folder / "meta.json").read_text())  # a writer who can also fix digests
+    meta["files"]["dense.pt"] = checkpoint_files.sha256(folder / "dense.pt")
+    (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="weights_only"):
         checkpoint.load(tmp_path, core)
     assert not flag.exists()
+
+
+def test_rotation_never_deletes_the_newest_checkpoint_whose_weights_are_finite(tmp_path):
+    core, opt = build(tiny())
+    checkpoint.save(tmp_path, core, opt, step=1)
+    with torch.no_grad():
+        core.embed.weight.fill_(float("nan"))
+    for step in (2, 3, 4):
+        checkpoint.save(tmp_path, core, opt, step=step)  # keep=2
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000001", "step-00000003", "step-00000004"]
+    assert json.loads((tmp_path / "step-00000001" / "meta.json").read_text())["finite"] is True
+    assert json.loads((tmp_path / "step-00000004" / "meta.json").read_text())["finite"] is False
+
+
+def _flip_inside_tensor_data(path: Path, n: int) -> None:
+    """Flip `n` bytes in the middle of the largest stored record (a tensor's data)."""
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack(
+        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
+    )
+    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2 - n // 2
+    for i in range(start, start + n):
+        raw[i] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("n", [16, 64])
+@pytest.mark.parametrize("name", ["dense.pt", "experts-00000.pt", "rng-00000.pt"])
+def test_a_checkpoint_file_with_flipped_bytes_in_its_tensor_data_is_refused_naming_it(
+    tmp_path, name, n
+):
+    core, opt = build(tiny())
+    checkpoint.save(tmp_path, core, opt, step=1, rng={"torch": torch.get_rng_state()})
+    _flip_inside_tensor_data(tmp_path / "step-00000001" / name, n)
+    fresh, fopt = build(tiny())
+    with pytest.raises(ValueError, match=rf"step-00000001/{name} is corrupt: its SHA-256"):
+        checkpoint.load(tmp_path, fresh, fopt)
+
+
+def test_a_missing_expert_shard_is_named_as_missing_not_blamed_on_another_model(tmp_path):
+    core, opt = build(tiny())
+    checkpoint.save(tmp_path, core, opt, step=1)
+    (tmp_path / "step-00000001" / "experts-00000.pt").unlink()
+    with pytest.raises(ValueError, match=r"is missing experts-00000\.pt"):
+        checkpoint.load(tmp_path, build(tiny())[0])
+    with pytest.raises(ValueError, match=r"is missing experts-00000\.pt"):
+        checkpoint.export(tmp_path, tmp_path / "model.pt")
+
+
+def test_meta_json_lists_a_sha256_for_every_file_of_the_checkpoint(tmp_path):
+    core, opt = build(tiny())
+    folder = checkpoint.save(tmp_path, core, opt, step=1, rng={"torch": torch.get_rng_state()})
+    files = json.loads((folder / "meta.json").read_text())["files"]
+    assert sorted(files) == ["dense.pt", "experts-00000.pt", "rng-00000.pt"]
+    assert all(len(v) == 64 for v in files.values())
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*files, "meta.json"])

@@ -102,16 +102,31 @@ def test_constant_rows_stay_within_the_bound_and_int8_keeps_them_exact(name):
 @pytest.mark.parametrize("name", LOSSY)
 def test_huge_and_tiny_magnitudes_stay_within_the_bound(name, scale):
     if name == "fp16" and scale > 1:
-        pytest.skip("fp16 saturates beyond 65504 (tested below)")
+        pytest.skip("fp16 overflows to inf beyond 65504 (tested below)")
     x = activations(64, 128)["gelu"] * scale
     assert_within_bound(name, x, roundtrip(make(name), x))
 
 
-def test_fp16_saturates_finite_overflow_and_keeps_inf_and_nan():
-    x = torch.tensor([[1.0, 7e4, -1e30, 65519.0, float("inf"), -float("inf"), float("nan")]])
-    y = roundtrip(make("fp16"), x)
-    want = torch.tensor([[1.0, 65504, -65504, 65504, float("inf"), -float("inf"), float("nan")]])
-    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y[~y.isnan()], want[~want.isnan()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp16_turns_finite_overflow_into_inf_instead_of_saturating(dtype):
+    # 65519 is within half a step of 65504 and rounds to it; from 65520 on IEEE rounding gives inf.
+    x = torch.tensor([[1.0, 7e4, -1e30, 65519.0, 65520.0, float("inf"), -float("inf"), 0.0]])
+    x[0, -1] = float("nan")
+    y = roundtrip(make("fp16"), x.to(dtype))
+    inf = float("inf")
+    want = torch.tensor([[1.0, inf, -inf, 65504.0, inf, inf, -inf, 0.0]])
+    assert y[0, -1].isnan() and torch.equal(y[:, :-1], want[:, :-1])
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("out", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", LOSSY)
+def test_no_compressor_turns_inf_or_nan_into_a_finite_value(name, dtype, out, bad):
+    x = activations(3, 64)["gelu"].to(dtype)
+    x[1, 17] = bad
+    y = roundtrip(make(name), x, out)
+    assert not torch.isfinite(y[1, 17]) and torch.isfinite(y[[0, 2]]).all()
 
 
 def test_bf16_keeps_inf_and_nan_and_the_rest_of_their_row():

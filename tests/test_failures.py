@@ -1,19 +1,25 @@
 """A rank that raises, dies or stalls makes the others fail with a clear error within the
-timeout; --check-finite names the layer and the step of the first NaN/Inf."""
+timeout; a non-finite loss stops the run (always), and --check-finite names the layer and the
+step of the first NaN/Inf."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import queue
+import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from schemoe import failures
+from schemoe import checkpoint, failures
 from schemoe import train as T
-from schemoe._dist import free_port, init_process_group
+from schemoe._dist import free_port, init_process_group, spawn
 from schemoe.layer import MoELayer
 from schemoe.lm import GPT, GPTConfig
 from train_cases import TINY
@@ -83,11 +89,14 @@ def _run(mode: str) -> dict:
 def test_survivor_fails_with_a_clear_error_within_the_timeout_when_a_peer(mode):
     r = _run(mode)
     assert r["kind"] == "PeerFailure", r
-    assert "rank 0, step 3 (forward)" in r["msg"] and "timeout" in r["msg"]
+    assert "rank 0, step 3 (forward)" in r["msg"]
     if mode == "stalls":  # only the timeout can tell a silent peer from a slow one
         assert TIMEOUT - 0.5 < r["after"] < TIMEOUT + 3
+        assert "did not complete within the 4s timeout (--timeout)" in r["msg"], r["msg"]
     else:  # the failing rank tears its group down, the dead one's sockets close: no waiting
         assert r["after"] < 2.0
+        assert "another rank closed its connection: it died or raised" in r["msg"], r["msg"]
+        assert "timeout" not in r["msg"].split("Backend said")[0], r["msg"]
 
 
 def test_check_finite_names_the_moe_layer_and_step_where_nan_first_appears():
@@ -119,3 +128,92 @@ def test_check_finite_flag_stops_a_diverging_run_naming_module_and_step():
     )
     with pytest.raises(failures.NonFiniteError, match=r"in blocks\.\d\.\S+ \(\w+\).* at step 2"):
         T.train(0, 1, a)
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss_without_check_finite():
+    a = T.parse_args([*TINY, "--steps", "6", "--lr", "1e30", "--warmup", "1", "--clip", "0"])
+    with pytest.raises(failures.NonFiniteError, match=r"non-finite loss (nan|inf).* at step 2"):
+        T.train(0, 1, a)
+
+
+def test_the_summary_line_writes_non_finite_values_as_null_so_it_stays_valid_json():
+    summary = T._finite_or_none({"a": float("nan"), "b": [1.0, float("inf")], "c": [[2, 3.5]]})
+    assert json.loads(json.dumps(summary, allow_nan=False)) == {
+        "a": None,
+        "b": [1.0, None],
+        "c": [[2, 3.5]],
+    }
+
+
+def test_diverging_command_exits_non_zero_naming_the_step_and_keeps_the_last_finite_checkpoint(
+    tmp_path,
+):
+    d = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "schemoe", "train", *TINY, "--nproc", "2", "--steps", "6"]
+    cmd += ["--lr", "1e30", "--warmup", "1", "--clip", "0", "--save", str(d), "--save-every", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode != 0
+    # (stderr also carries torch's FutureWarning about DDP's broadcast_buffers, per rank)
+    first = next(x for x in run.stderr.splitlines() if x.startswith("schemoe train: error: "))
+    assert first.startswith("schemoe train: error: distributed run failed: rank ")
+    assert re.search(r"raised NonFiniteError: non-finite loss (nan|inf) .*at step 2", first), first
+    assert "NaN" not in run.stdout and not run.stdout.strip().endswith("}")  # no summary line
+    assert (d / "latest").read_text() == "step-00000001"
+    core = GPT(GPTConfig(seq_len=32, layers=2, heads=2), T.moe_config_from_args(T.parse_args(TINY)))
+    assert checkpoint.load(d, core).step == 1
+
+
+GLOO = "[/src/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+
+
+@pytest.mark.parametrize(
+    ("text", "peer"),
+    [
+        (GLOO + "Connection closed by peer [127.0.0.1]:30430", True),
+        (GLOO + "Read error [127.0.0.1]:7567: Connection reset by peer", True),
+        (GLOO + "Timed out waiting 4000ms for send operation to complete", True),
+        ("[gloo/allreduce.cc:41] Expected tensors of equal size, got 4 and 8", False),
+        ("ProcessGroupGloo does not support this reduce op", False),
+        ("CUDA out of memory", False),
+    ],
+)
+def test_only_the_backends_messages_for_a_lost_or_silent_peer_count_as_peer_failures(text, peer):
+    assert failures.is_peer_failure(RuntimeError(text)) is peer
+
+
+def test_a_peer_failure_from_a_reset_connection_says_so_instead_of_blaming_the_timeout():
+    e = RuntimeError(GLOO + "Read error [127.0.0.1]:7567: Connection reset by peer")
+    msg = str(failures.peer_failure(e, 0, 3, "forward", 10.0))
+    assert msg.startswith("rank 0, step 3 (forward): another rank closed its connection")
+    assert "10s" not in msg and "did not complete" not in msg
+    e = RuntimeError(GLOO + "Timed out waiting 10000ms for recv operation to complete")
+    msg = str(failures.peer_failure(e, 0, 3, "backward", 10.0))
+    assert "a collective did not complete within the 10s timeout (--timeout)" in msg
+
+
+class _NoBackendGroup:
+    """A process group whose backend options cannot be read."""
+
+
+def _subgroup_timeouts(rank: int, world: int) -> tuple:
+    import warnings
+
+    from schemoe import topology
+
+    fallback = topology.Topology(world=1, rank=0, ranks_per_node=1, group=_NoBackendGroup())
+    from_default = fallback.timeout()
+    real = topology._group_timeout
+    topology._group_timeout = lambda _group: None  # neither group says
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            neither = fallback.timeout()
+    finally:
+        topology._group_timeout = real
+    return from_default, neither, [str(w.message) for w in seen]
+
+
+def test_a_subgroup_whose_timeout_cannot_be_read_takes_the_default_groups_or_says_so():
+    from_default, neither, warned = spawn(_subgroup_timeouts, 1, timeout=7.0)[0]
+    assert from_default == datetime.timedelta(seconds=7)  # before: None, i.e. 30 minutes
+    assert neither is None and any("30 minutes" in w for w in warned), warned

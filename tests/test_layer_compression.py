@@ -75,3 +75,28 @@ def test_lossy_compressors_stay_within_budget_under_every_policy(ranks, comp, ba
 def test_bf16_payloads_carry_more_rounding_than_fp16(ranks):
     fp16 = ranks(2).run(_case, "fp16", True)[0]
     assert ranks(2).run(_case, "bf16", True)[0] > fp16 > 0
+
+
+def test_a_gradient_scaled_past_fp16_range_makes_the_grad_scaler_skip_the_step_and_back_off():
+    # GradScaler's default scale 2^16 times a gradient of 10 per output is 655360 per element:
+    # past fp16's 65504, so the fp16-compressed backward all-to-all must carry inf, not 65504.
+    torch.manual_seed(0)
+    layer = MoELayer(
+        MoEConfig(
+            gate=GateConfig(num_experts=4, top_k=2, capacity_factor=2.0),
+            experts=ExpertConfig(model_dim=16, hidden_dim=32),
+            schedule=ScheduleConfig(policy="schemoe", chunks=2),
+            compression=CompressionConfig(forward="none", backward="fp16"),
+        )
+    )
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    y, _aux = layer(torch.randn(32, 16))
+    scaler.scale((10 * y).sum()).backward()
+    assert not torch.isfinite(layer.experts.w2_EHM.grad).all()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15  # backed off from 2^16
+    for n, p in layer.named_parameters():  # the step was skipped
+        assert torch.equal(p, before[n]), n

@@ -20,7 +20,7 @@ LAYERS = [
     ("scheduling", ["scheduling"]),
     ("planning", ["costmodel"]),
     ("layer", ["dispatcher", "region", "layer", "autotune", "parallel"]),
-    ("training", ["gradsync", "lm", "train", "checkpoint", "hf", "failures", "testing", "_dist"]),
+    ("training", ["gradsync", "lm", "train", "train_args", "checkpoint_files", "_lifeline", "checkpoint", "hf", "failures", "testing", "_dist"]),
     ("tools", ["profiler", "bench", "testbed", "cli", "_cli_util", "__main__"]),
 ]  # fmt: skip
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}

@@ -255,3 +255,17 @@ def test_command_line_run_ends_with_the_json_summary_and_writes_plot_and_export(
     assert set(summary["step_time_s"]) == {"forward", "backward", "optimizer"}
     assert any(line.startswith("step    1  loss") for line in lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and model.stat().st_size > 0
+
+
+def _four_rank_runs(rank: int, world: int, d: str) -> tuple[list[float], list[float]]:
+    straight = T.train(rank, world, tiny("--steps", "8"))
+    T.train(rank, world, tiny("--steps", "8", "--stop-after", "4", "--save", d))
+    resumed = T.train(rank, world, tiny("--steps", "8", "--resume", d))
+    return straight["losses"], resumed["losses"]
+
+
+def test_resumed_run_reproduces_the_uninterrupted_losses_exactly_on_four_ranks(tmp_path):
+    # Four ranks sum every all-reduced value in an order two ranks cannot show (a + b == b + a),
+    # so this is the case where a changed reduction layout after resume would appear.
+    straight, resumed = spawn(_four_rank_runs, 4, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert len(straight) == 8 and resumed == straight  # bitwise

@@ -11,8 +11,11 @@ Error bounds (round to nearest even, |x| the input value):
 A decode to a dtype other than the wire's rounds once more, as torch's cast does.
 
 inf/NaN and overflow, elementwise:
-    fp16: finite values beyond fp16's range (|x| > 65504) saturate to +-65504; +-inf stays
-          +-inf and NaN stays NaN, so real overflow still reaches a loss scaler.
+    fp16: IEEE rounding: finite values with |x| >= 65520 (past 65504 by half a step or more)
+          become +-inf, as torch's cast does; +-inf stays +-inf and NaN stays NaN. Overflow is
+          never saturated to a finite value: a gradient scaled past fp16's range must reach the
+          loss scaler as inf (found_inf), or the scaler would step on a wrong gradient and never
+          back off.
     bf16: bf16 has fp32's exponent range; inf and NaN stay as they are, and only finite fp32
           values within half a bf16 step of fp32's maximum (|x| >= ~3.3962e38) round to inf,
           as IEEE rounding does.
@@ -22,11 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import COMPRESSORS, check_input, check_payload, row_chunks
+from .base import COMPRESSORS, check_input, check_payload
 
 __all__ = ["BF16", "FP16"]
-
-_FP16_MAX = torch.finfo(torch.float16).max  # 65504
 
 
 class _Cast:
@@ -62,21 +63,10 @@ class _Cast:
 
 @COMPRESSORS.register("fp16")
 class FP16(_Cast):
-    """IEEE half precision; finite overflow saturates to +-65504, inf and NaN are kept."""
+    """IEEE half precision; finite overflow becomes inf, inf and NaN are kept."""
 
     name = "fp16"
     wire = torch.float16
-
-    def _cast_into(self, x_NM: torch.Tensor, y_NM: torch.Tensor) -> None:
-        # clamp() would also turn +-inf into +-65504; x - clamp(x, +-its dtype's max) is 0 for
-        # finite x and +-inf (or NaN) otherwise, so adding it back restores inf without a mask
-        # (bool masks cost more than the two clamps on CPU).
-        for rows in row_chunks(*x_NM.shape):
-            x_nM = x_NM[rows] if x_NM.dtype == torch.float64 else x_NM[rows].float()
-            big = torch.finfo(x_nM.dtype).max
-            keep_nM = torch.clamp(x_nM, -big, big)
-            torch.sub(x_nM, keep_nM, out=keep_nM)
-            y_NM[rows].copy_(keep_nM.add_(torch.clamp(x_nM, -_FP16_MAX, _FP16_MAX)))
 
 
 @COMPRESSORS.register("bf16")

@@ -11,7 +11,9 @@ kernel routes it over that namespace's loopback (`lo`), not eth0: intra-node pai
 inter-node pairs cross the shaped veths. tests/test_testbed.py checks this with eth0's counters.
 
 A child that exits non-zero makes the launcher kill the others and return that code; a run that
-outlives `timeout` is killed and returns 124. Nothing waits unbounded.
+outlives `timeout` is killed and returns 124. Nothing waits unbounded. The ranks die with the
+launcher: SIGTERM/SIGHUP to it kill them (then it exits 128 + signal), and each child carries a
+parent-death signal for a launcher killed outright (schemoe._lifeline).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .._lifeline import on_signals, set_parent_death_signal
 from . import netns
 
 __all__ = ["child_command", "run"]
@@ -100,39 +103,42 @@ def run(
         PYTHONPATH=os.pathsep.join(p for p in (_PKG_ROOT, base.get("PYTHONPATH")) if p),
     )
     procs: list[subprocess.Popen] = []
-    try:
-        for node in range(bed.nodes):
-            for local in range(ranks_per_node):
-                env = dict(
-                    base,
-                    RANK=str(node * ranks_per_node + local),
-                    LOCAL_RANK=str(local),
-                    GROUP_RANK=str(node),
-                    NODE_RANK=str(node),
-                )
-                procs.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", bed.node_ns(node), *cmd],
-                        env=env,
-                        start_new_session=True,
+    with on_signals(lambda _signum: _kill(procs)):
+        try:
+            for node in range(bed.nodes):
+                for local in range(ranks_per_node):
+                    env = dict(
+                        base,
+                        RANK=str(node * ranks_per_node + local),
+                        LOCAL_RANK=str(local),
+                        GROUP_RANK=str(node),
+                        NODE_RANK=str(node),
                     )
-                )
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                rank, code = bad[0]
-                print(
-                    f"testbed run: rank {rank} exited with {code}; stopping the others",
-                    file=sys.stderr,
-                )
-                return code if code > 0 else 128 - code
-            if all(c == 0 for c in codes):
-                return 0
-            if time.monotonic() > deadline:
-                print(f"testbed run: not finished after {timeout:g}s; killed", file=sys.stderr)
-                return 124
-            time.sleep(0.05)
-    finally:
-        _kill(procs)
+                    procs.append(
+                        subprocess.Popen(
+                            ["ip", "netns", "exec", bed.node_ns(node), *cmd],
+                            env=env,
+                            start_new_session=True,
+                            # no threads here; it only calls a prctl resolved at import
+                            preexec_fn=set_parent_death_signal,  # noqa: PLW1509
+                        )
+                    )
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [p.poll() for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    rank, code = bad[0]
+                    print(
+                        f"testbed run: rank {rank} exited with {code}; stopping the others",
+                        file=sys.stderr,
+                    )
+                    return code if code > 0 else 128 - code
+                if all(c == 0 for c in codes):
+                    return 0
+                if time.monotonic() > deadline:
+                    print(f"testbed run: not finished after {timeout:g}s; killed", file=sys.stderr)
+                    return 124
+                time.sleep(0.05)
+        finally:
+            _kill(procs)

@@ -1,0 +1,142 @@
+"""Ranks die with their launcher: SIGTERM to `schemoe train` or `schemoe testbed run` is forwarded
+to the ranks, and a launcher killed outright (SIGKILL) still takes them along (parent-death
+signal). Linux only: the tests read /proc."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from train_cases import TINY
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ...]
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(d)
+        for d in os.listdir("/proc")
+        if d.isdigit() and (_stat(int(d)) or [0, 0])[1] == str(pid)
+    ]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _first_line(p: subprocess.Popen, prefix: str, seconds: float) -> str:
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line.startswith(prefix):
+            return line
+    pytest.fail(f"no line starting with {prefix!r} within {seconds}s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_no_rank_outlives_the_train_launcher_killed_after_its_first_step(sig):
+    cmd = [sys.executable, "-m", "schemoe", "train", *TINY, "--nproc", "2", "--steps", "100000"]
+    p = subprocess.Popen(
+        [*cmd, "--log-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    ranks: list[int] = []
+    try:
+        _first_line(p, "step", 240)
+        ranks = [c for c in _children(p.pid) if "spawn_main" in _cmdline(c)]
+        assert len(ranks) == 2, [_cmdline(c) for c in _children(p.pid)]
+        p.send_signal(sig)
+        p.wait(15)
+        assert _gone_within(ranks, 5.0) == []
+        if sig == signal.SIGTERM:
+            assert p.returncode == 128 + signal.SIGTERM
+    finally:
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+CHILD = """
+import os, sys, time
+with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+    reason="the testbed needs root and iproute2 (ip, tc)",
+)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_no_rank_outlives_the_testbed_launcher(sig, tmp_path):
+    from schemoe.testbed import netns
+
+    if netns.namespaces() or os.path.exists(netns.STATE_FILE):
+        pytest.skip("a testbed is already up; not touching someone else's")
+    script, pids = tmp_path / "child.py", tmp_path / "pids"
+    script.write_text(CHILD)
+    pids.mkdir()
+    netns.up(2, "1gbit")
+    ranks: list[int] = []
+    p = None
+    try:
+        cmd = [sys.executable, "-m", "schemoe", "testbed", "run", "--ranks-per-node", "1"]
+        p = subprocess.Popen([*cmd, "--timeout", "100", "--", str(script), str(pids)])
+        deadline = time.monotonic() + 30
+        while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # both pid files written in full
+        ranks = [int((pids / f).read_text()) for f in os.listdir(pids)]
+        assert len(ranks) == 2
+        p.send_signal(sig)
+        p.wait(15)
+        assert _gone_within(ranks, 5.0) == []
+        if sig == signal.SIGTERM:
+            assert p.returncode == 128 + signal.SIGTERM
+    finally:
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+        if p is not None and p.poll() is None:
+            p.kill()
+        netns.down()
