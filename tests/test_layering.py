@@ -16,12 +16,12 @@ PKG = ROOT / "schemoe"
 # Bottom up. A module may import from its own layer or any layer below.
 LAYERS = [
     ("parts", ["config", "registry", "topology", "trace", "gating", "layout", "experts",
-               "collectives", "compression"]),
+               "collectives", "compression", "_cli_util"]),  # _cli_util: a leaf (error guard)
     ("scheduling", ["scheduling"]),
     ("planning", ["costmodel"]),
     ("layer", ["dispatcher", "region", "layer", "autotune", "parallel"]),
     ("training", ["gradsync", "lm", "train", "train_args", "checkpoint_files", "_lifeline", "checkpoint", "hf", "failures", "testing", "_dist"]),
-    ("tools", ["profiler", "bench", "testbed", "cli", "_cli_util", "__main__"]),
+    ("tools", ["profiler", "bench", "testbed", "cli", "__main__"]),
 ]  # fmt: skip
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 
