@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from ._lifeline import die_with_parent, on_signals
 
-__all__ = ["free_port", "init_process_group", "spawn"]
+__all__ = ["free_port", "init_process_group", "set_launcher_env", "spawn"]
 
 
 def free_port() -> int:
@@ -41,8 +41,8 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent):
-    die_with_parent(parent)  # even a launcher killed by SIGKILL takes its ranks along
+def set_launcher_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives a rank on one host (what init_process_group reads)."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -51,6 +51,11 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent):
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent):
+    die_with_parent(parent)  # even a launcher killed by SIGKILL takes its ranks along
+    set_launcher_env(rank, world, port)
     import torch
     import torch.distributed as dist
 

@@ -12,7 +12,6 @@ step); the `ranks` fixture then builds a fresh one for the next case.
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue
 import time
@@ -22,20 +21,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from schemoe._dist import free_port, init_process_group
+from schemoe._dist import free_port, init_process_group, set_launcher_env
 
 __all__ = ["RankPool"]
 
 
 def _serve(rank, world, port, inbox, results, timeout_s):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_launcher_env(rank, world, port)
     import torch
     import torch.distributed as dist
 
