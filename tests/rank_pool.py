@@ -12,6 +12,7 @@ step); the `ranks` fixture then builds a fresh one for the next case.
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import time
@@ -22,11 +23,13 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from schemoe._dist import free_port, init_process_group, set_launcher_env
+from schemoe._lifeline import die_with_parent
 
 __all__ = ["RankPool"]
 
 
-def _serve(rank, world, port, inbox, results, timeout_s):
+def _serve(rank, world, port, inbox, results, timeout_s, parent):
+    die_with_parent(parent)  # a killed pytest takes its ranks along
     set_launcher_env(rank, world, port)
     import torch
     import torch.distributed as dist
@@ -56,7 +59,7 @@ class RankPool:
         self.procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, world, port, self.inboxes[r], self.results, timeout),
+                args=(r, world, port, self.inboxes[r], self.results, timeout, os.getpid()),
                 daemon=True,
             )
             for r in range(world)
