@@ -52,7 +52,8 @@ class MoELayer(nn.Module):
         expert_factory: optional; called with a global expert index, returns that expert's
             nn.Module mapping [n, M] -> [n, M]; replaces the built-in batched FFN.
         seed: base seed of the expert initialisation (expert e gets the same initial weights
-            whatever P is).
+            whatever P is); None (default): drawn from torch's global generator, so
+            `torch.manual_seed` decides it and layers built in a row differ.
 
     forward(x) takes x of shape [T, M] or [B, L, M] and returns (y of the same shape, aux loss).
     """
@@ -63,7 +64,7 @@ class MoELayer(nn.Module):
         *,
         group=None,
         expert_factory: Callable[[int], nn.Module] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -78,6 +79,11 @@ class MoELayer(nn.Module):
         if E % P:
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {P}")
         self.num_local = E // P
+        if seed is None:
+            # One draw from the global generator. Ranks that seed alike (as the replicated gate
+            # weight below requires) draw the same value, so expert e depends on (seed, e) only,
+            # whatever P. < 2**40 keeps seed * 1_000_003 + 3 e + 2 (experts.py) in int64.
+            seed = int(torch.randint(0, 2**40, (), dtype=torch.int64))
         self._running: MoEConfig | None = None
         # Low-priority transfers (a scheduled gradient sync's buckets) this layer's region posts
         # into its idle network time; set by whoever owns them (schemoe.gradsync.GradSync).

@@ -182,3 +182,23 @@ def _small(rank, world):
 
 def test_two_ranks_match_the_reference_with_a_small_config():
     assert all(spawn(_small, 2, timeout=60))
+
+
+def _experts_of(seed: int | None = None, manual: int = 0) -> torch.Tensor:
+    torch.manual_seed(manual)
+    cfg = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=2), experts=ExpertConfig(model_dim=8, hidden_dim=16)
+    )
+    return MoELayer(cfg, seed=seed).experts.w1_EMH.detach().clone()
+
+
+def test_layers_built_in_a_row_get_different_experts_and_the_global_seed_decides_them():
+    torch.manual_seed(5)
+    cfg = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=2), experts=ExpertConfig(model_dim=8, hidden_dim=16)
+    )
+    a, b = MoELayer(cfg), MoELayer(cfg)
+    assert not torch.equal(a.experts.w1_EMH, b.experts.w1_EMH)
+    assert torch.equal(_experts_of(manual=3), _experts_of(manual=3))
+    assert not torch.equal(_experts_of(manual=3), _experts_of(manual=4))
+    assert torch.equal(_experts_of(seed=7, manual=3), _experts_of(seed=7, manual=4))
