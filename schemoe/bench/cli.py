@@ -55,7 +55,7 @@ class BenchEnv:
 
     def link(self) -> str:
         if self.testbed:
-            return self.testbed.describe() + " (tbf); intra-node pairs on the node's loopback"
+            return self.testbed.describe() + " (tbf)"
         if self.launched:
             return "not shaped by schemoe; whatever the cluster has"
         return "none shaped; intra and inter-node pairs both on loopback"
