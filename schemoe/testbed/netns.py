@@ -57,6 +57,7 @@ __all__ = [
     "namespaces",
     "parse_latency",
     "parse_rate",
+    "queue_bytes",
     "up",
 ]
 
@@ -181,11 +182,15 @@ def bucket_bytes(rate_bps: float) -> int:
     return int(max(rate_bps / 8 * 1e-3, 2 * MTU + 1000))
 
 
+def queue_bytes(rate_bps: float) -> int:
+    """What a shaped link may hold: ~50 ms beyond the bucket, so TCP sees delay before it sees
+    loss, and the ACKs of the other direction never wait behind seconds of data."""
+    return int(max(rate_bps / 8 * 0.05, 16 * MTU)) + bucket_bytes(rate_bps)
+
+
 def _tbf(rate_bps: float) -> list[str]:
-    burst = bucket_bytes(rate_bps)
-    # The queue holds ~50 ms beyond the bucket, so TCP sees delay before it sees loss.
-    limit = int(max(rate_bps / 8 * 0.05, 16 * MTU)) + burst
-    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
+    burst, limit = str(bucket_bytes(rate_bps)), str(queue_bytes(rate_bps))
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", burst, "limit", limit]
 
 
 def shape(
@@ -194,8 +199,8 @@ def shape(
     """tbf at rate_bps on dev's egress, with a netem delay under it if delay_s > 0.
 
     `only=("dst" | "src", "a.b.c.d/n")` shapes only IPv4 packets to / from that prefix: an htb
-    class at rate_bps takes them (u32 filter) and everything else (other IPv4, ARP) leaves
-    unshaped through htb's direct queue (no default class).
+    class at rate_bps, with a byte fifo as deep as tbf's queue, takes them (u32 filter) and
+    everything else (other IPv4, ARP) leaves unshaped through htb's direct queue.
     """
     assert not (only and delay_s), "a delay applies to whole links only"
     tc = ("tc", "qdisc", "add", "dev", dev)
@@ -210,6 +215,19 @@ def shape(
         )
         match = ("u32", "match", "ip", only[0], only[1], "flowid", "1:1")
         run_cmd("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", *match, ns=ns)
+        # The class's own queue, bounded like tbf's (htb's default holds txqueuelen frames,
+        # seconds at these rates: a bidirectional exchange then took twice the one-way time).
+        run_cmd(
+            *tc,
+            "parent",
+            "1:1",
+            "handle",
+            "10:",
+            "bfifo",
+            "limit",
+            str(queue_bytes(rate_bps)),
+            ns=ns,
+        )
     if delay_s > 0:
         netem = ("netem", "delay", f"{delay_s * 1e6:.0f}us", "limit", "100000")
         p = run_cmd(*tc, "parent", "1:1", "handle", "10:", *netem, ns=ns, check=False)
