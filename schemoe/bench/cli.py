@@ -55,7 +55,7 @@ class BenchEnv:
 
     def link(self) -> str:
         if self.testbed:
-            return self.testbed.describe() + " (tbf)"
+            return self.testbed.describe() + " (tc: tbf, htb)"
         if self.launched:
             return "not shaped by schemoe; whatever the cluster has"
         return "none shaped; intra and inter-node pairs both on loopback"
