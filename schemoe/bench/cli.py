@@ -59,7 +59,7 @@ class BenchEnv:
 
     def link(self) -> str:
         if self.testbed:
-            return self.testbed.describe() + " (tbf); intra-node pairs on the node's loopback"
+            return self.testbed.describe() + " (tc: tbf, htb)"
         if self.launched:
             return "not shaped by schemoe; whatever the cluster has"
         return "none shaped; intra and inter-node pairs both on loopback"

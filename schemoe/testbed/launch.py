@@ -1,14 +1,17 @@
-"""Run K ranks per node of the testbed, each inside its node's namespace, with torchrun's env.
+"""Run K ranks per node of the testbed, each inside its namespace, with torchrun's env.
 
 Rank layout is node-major (rank = node * K + local_rank), as `schemoe.topology` expects. Each
-child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR (node 0's
+child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR (rank 0's
 address) and MASTER_PORT like under torchrun, plus two launcher settings: GLOO_SOCKET_IFNAME=eth0
-so gloo binds to the node's address, and OMP_NUM_THREADS=1 (torchrun's default for several ranks).
+so gloo binds to the namespace's address, and OMP_NUM_THREADS=1 (torchrun's default for several
+ranks).
 
-Where the bytes go: gloo's full mesh connects every pair of ranks to the address the peer bound,
-the peer's node address. For two ranks of one node that address is local to the namespace, so the
-kernel routes it over that namespace's loopback (`lo`), not eth0: intra-node pairs are unshaped,
-inter-node pairs cross the shaped veths. tests/test_testbed.py checks this with eth0's counters.
+Where the bytes go: gloo's full mesh connects every pair of ranks to the address the peer bound.
+On a testbed without an intra-node rate the ranks of a node share its namespace and address, so
+the kernel routes their pairs over that namespace's loopback (`lo`), not eth0: intra-node pairs
+are unshaped, inter-node pairs cross the shaped veths. With an intra-node rate each rank has its
+own namespace (rank = node * K + local), so every pair leaves through the rank's shaped eth0.
+tests/test_testbed.py and tests/test_testbed_ranks.py check both with interface counters.
 
 A child that exits non-zero makes the launcher kill the others and return that code; a run that
 outlives `timeout` is killed and returns 124. Nothing waits unbounded. The ranks die with the
@@ -52,7 +55,7 @@ def child_command(target: Sequence[str]) -> list[str]:
 
 
 def _free_port(ns: str) -> int:
-    # Ask the kernel inside node 0's namespace, where the store will listen.
+    # Ask the kernel inside rank 0's namespace, where the store will listen.
     code = "import socket;s=socket.socket();s.bind(('',0));print(s.getsockname()[1])"
     out = subprocess.run(
         ["ip", "netns", "exec", ns, sys.executable, "-c", code],
@@ -91,13 +94,19 @@ def run(
     cmd = child_command(target)
     netns.check_prerequisites()
     bed = bed or netns.load()
+    if bed.per_rank and ranks_per_node != bed.ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node {ranks_per_node}: the testbed that is up has "
+            f"{bed.ranks_per_node} rank namespaces per node; run with that many, or bring it up "
+            f"again with --ranks-per-node {ranks_per_node}"
+        )
     world = bed.nodes * ranks_per_node
     base = dict(os.environ)
     base.update(
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(ranks_per_node),
         MASTER_ADDR=bed.master_addr,
-        MASTER_PORT=str(_free_port(bed.node_ns(0))),
+        MASTER_PORT=str(_free_port(bed.rank_ns(0, 0))),
         GLOO_SOCKET_IFNAME=netns.IFNAME,
         OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
         PYTHONPATH=os.pathsep.join(p for p in (_PKG_ROOT, base.get("PYTHONPATH")) if p),
@@ -116,7 +125,7 @@ def run(
                     )
                     procs.append(
                         subprocess.Popen(
-                            ["ip", "netns", "exec", bed.node_ns(node), *cmd],
+                            ["ip", "netns", "exec", bed.rank_ns(node, local), *cmd],
                             env=env,
                             start_new_session=True,
                             # no threads here; it only calls a prctl resolved at import
