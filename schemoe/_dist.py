@@ -36,7 +36,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _worker(rank, world, port, fn, args, results, threads, timeout_s):
+def _worker(rank, world, port, fn, args, results, threads, timeout_s, backend="gloo"):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -50,7 +50,9 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s):
 
     torch.set_num_threads(threads)
     try:
-        init_process_group("gloo", timeout_s)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per local rank, before the first collective
+        init_process_group(backend, timeout_s)
         out = fn(rank, world, *args)
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that
         # die with this process before the parent reads them.
@@ -69,9 +71,11 @@ def spawn(
     timeout: float = 120.0,
     threads: int = 1,
     run_timeout: float | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return results by rank.
 
+    `backend`: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs).
     `timeout` bounds every collective; `run_timeout` the whole run (default: timeout + 30 s).
     `fn` must be importable (module level) and its return value picklable.
     """
@@ -83,7 +87,7 @@ def spawn(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, results, threads, timeout),
+            args=(r, world_size, port, fn, args, results, threads, timeout, backend),
             daemon=True,
         )
         for r in range(world_size)

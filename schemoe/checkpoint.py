@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .devices import control_tensor
 from .experts import ModuleExperts
 from .layer import MoELayer
 from .parallel import is_expert_param
@@ -130,7 +131,7 @@ def _agree(ok: bool) -> bool:
     _, world = _rank_world()
     if world == 1:
         return ok
-    flag = torch.tensor([int(ok)])
+    flag = control_tensor([int(ok)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

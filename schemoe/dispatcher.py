@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .devices import control_tensor
 from .gating.router import Routing
 from .layout import Chunk, Partition, build_plan, decode, encode
 from .topology import Topology
@@ -80,7 +81,7 @@ class TokenDispatcher:
         self.partition = Partition(partition)
         self.uniform_tokens = uniform_tokens
 
-    def _recv_counts(self, counts: tuple[int, ...], dropless: bool, device):
+    def _recv_counts(self, counts: tuple[int, ...], dropless: bool):
         """A function returning [P][El] (the exchange is started now, read when called)."""
         P, El = self.topology.world, self.num_local
         if P == 1:
@@ -88,7 +89,7 @@ class TokenDispatcher:
         if self.uniform_tokens and not dropless:
             # Every rank's buffer has C rows per expert (C from the same T): no exchange.
             return lambda: ((counts[0],) * El,) * P
-        send = torch.tensor(counts, dtype=torch.long, device=device)
+        send = control_tensor(counts, dtype=torch.long, group=self.topology.group)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.topology.group, async_op=True)
 
@@ -107,7 +108,7 @@ class TokenDispatcher:
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
         # 1. Start learning what every rank sends to this rank's experts.
-        recv_counts = self._recv_counts(routing.counts, dropless, x_TM.device)
+        recv_counts = self._recv_counts(routing.counts, dropless)
         # 2. Scatter the tokens into the expert-major buffer meanwhile.
         rows_NM = encode(x_TM, routing)
         # 3. Cut the buffer into the region's chunks.

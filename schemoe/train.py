@@ -7,11 +7,15 @@
 The corpus needs no download: by default the text of Python's own standard-library sources,
 byte-level tokens (vocabulary 256); `--corpus PATH` takes a text file or a folder of them; the last
 5% is held out for the eval loss. Dense weights are data-parallel (DDP averages their gradients);
-experts are expert-parallel over all ranks, and their gradients (summed over ranks by the
-all-to-all backward) are divided by the world size, so every gradient is that of the mean loss
-over all ranks, whatever P. AdamW, linear warm-up then cosine decay, clipping by the global norm
+experts are expert-parallel over groups of --ep-size ranks (default: all) and data-parallel across
+those groups (`schemoe.parallel.init_expert_parallel`); `average_expert_gradients` makes their
+gradients the mean-loss gradients DDP gives the dense weights, whatever ep x dp. AdamW, linear warm-up then cosine decay, clipping by the global norm
 (dense norm, identical on all ranks, plus the all-reduced expert norm). Rank 0 prints step lines
-(and a progress bar on a terminal) and a last line of JSON. Timing is host wall time (CPU ranks).
+(and a progress bar on a terminal) and a last line of JSON. Timing is host wall time.
+
+Devices: `--device cuda` (the default when CUDA is available) places the model and data on
+cuda:LOCAL_RANK and uses NCCL; `--device cpu` uses gloo. `--dtype bf16` runs forward and loss
+under torch.autocast (weights and optimizer state stay fp32).
 """
 
 from __future__ import annotations
@@ -41,9 +45,16 @@ from .config import (
     ParallelConfig,
     ScheduleConfig,
 )
+from .devices import local_device
 from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
-from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
+from .parallel import (
+    average_expert_gradients,
+    clip_grad_norm_,
+    ddp_ignore_experts,
+    init_expert_parallel,
+)
+from .topology import launcher_local_rank
 
 __all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args", "register", "train"]
 
@@ -173,6 +184,10 @@ def _check(a: argparse.Namespace) -> None:
     ):
         if (v := getattr(a, n)) is not None and v < lo:
             raise ValueError(f"--{n.replace('_', '-')} must be >= {lo}, got {v}")
+    if a.ep_size is not None and a.ep_size < 1:
+        raise ValueError(f"--ep-size must be >= 1, got {a.ep_size}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'schemoe[plot]'")
 
@@ -182,6 +197,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     summary that rank 0 prints as JSON. Resumes from --resume, saves to --save. On an error after
     set-up it destroys the default process group (so the peers fail now) and re-raises."""
     _check(a)
+    dev = local_device(a.device, launcher_local_rank(rank))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    ep = init_expert_parallel(a.ep_size or world)  # every rank: all EP and DP groups
     torch.manual_seed(a.seed)  # same dense init on every rank; experts seed per expert
     data = load_corpus(a.corpus, a.corpus_bytes)
     split = int(data.numel() * 0.95)
@@ -189,14 +208,17 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     core = GPT(
         GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every),
         moe_config_from_args(a),
+        group=ep.ep_group,
         seed=a.seed,
-    )
+    ).to(dev)
     torch.manual_seed(a.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
     model = (
         core
         if world == 1
         else nn.parallel.DistributedDataParallel(  # buffers (the expert
-            ddp_ignore_experts(core), broadcast_buffers=False
+            ddp_ignore_experts(core),
+            device_ids=[dev] if dev.type == "cuda" else None,
+            broadcast_buffers=False,
         )
     )  # bias) have their own all-reduce
     opt = _optimizer(core, a)
@@ -247,11 +269,12 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(step, a)
-            x, y = batch(train_data, a.batch, a.seq_len, g)
+            x, y = (t.to(dev, non_blocking=True) for t in batch(train_data, a.batch, a.seq_len, g))
             if checker:
                 checker.step = step
-            logits, aux = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+                logits, aux = model(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             if checker:
                 checker.check_loss(loss)
             t1 = time.perf_counter()
@@ -260,12 +283,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             (loss + aux).backward()
             t2 = time.perf_counter()
             where[1] = "optimizer"
-            for p in expert_parameters(core) if world > 1 else ():
-                if p.grad is not None:  # summed over ranks by the all-to-all: make it a mean
-                    p.grad.div_(world)
+            average_expert_gradients(core, ep)  # the mean-loss gradient, as DDP's dense ones
             if checker:
                 checker.check_grads()
-            gnorm = clip_grad_norm_(core, a.clip)
+            gnorm = clip_grad_norm_(core, a.clip, ep)
             opt.step()
             for m in moe:
                 if m.expert_bias is not None:
@@ -316,6 +337,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "tokens_per_s": tok * len(timed) / sum(timed) if timed else 0.0,
         "steps": last,
         "world_size": world,
+        "ep_size": ep.ep_size,
+        "dp_size": ep.dp_size,
+        "device": dev.type,
+        "dtype": a.dtype,
         **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compress")},
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
@@ -333,7 +358,9 @@ def _main(a: argparse.Namespace) -> int:
     _check(a)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun / srun
         torch.set_num_threads(a.threads)
-        init_process_group("gloo", a.timeout)
+        if a.device == "cuda":
+            torch.cuda.set_device(launcher_local_rank())
+        init_process_group("nccl" if a.device == "cuda" else "gloo", a.timeout)
         try:
             train(dist.get_rank(), dist.get_world_size(), a)
         finally:
@@ -341,7 +368,14 @@ def _main(a: argparse.Namespace) -> int:
                 dist.destroy_process_group()
         return 0
     # Collectives are bounded by --timeout; the run itself may take as long as it needs.
-    spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads, run_timeout=float("inf"))
+    if a.device == "cuda" and a.nproc > torch.cuda.device_count():
+        raise ValueError(
+            f"--nproc {a.nproc} with --device cuda needs {a.nproc} GPUs, this node has "
+            f"{torch.cuda.device_count()}"
+        )
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads, run_timeout=float("inf"),
+          backend=backend)  # fmt: skip
     return 0
 
 
@@ -354,6 +388,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--layers", type=int, default=4)
     a("--heads", type=int, default=4)
     a("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
+    a("--ep-size", type=int, default=None, help="expert-parallel group size (default: world)")
+    cuda = torch.cuda.is_available()
+    a("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
+      help="cuda: NCCL, model on cuda:LOCAL_RANK; cpu: gloo (default: cuda when available)")  # fmt: skip
+    a("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     m = p.add_argument_group("MoE layer (every MoEConfig field)").add_argument
     m("--dim", type=int, default=128, help="model dim")
     m("--hidden", type=int, default=256, help="expert (and dense FFN) hidden dim")
