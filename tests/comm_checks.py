@@ -100,7 +100,7 @@ class CommCheck:
 
         return wrapped
 
-    def __enter__(self) -> CommCheck:
+    def __enter__(self):
         for name in _COLLECTIVES:
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self._saved[name]))

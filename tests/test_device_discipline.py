@@ -68,9 +68,7 @@ def _layer_case(rank, world, policy, algorithm):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_layer_hands_collectives_only_backend_device_tensors_under_every_policy(
-    ranks, policy
-):
+def test_the_layer_hands_collectives_only_backend_device_tensors_under_every_policy(ranks, policy):
     assert ranks(4).run(_layer_case, policy, "naive") == [[]] * 4
 
 
