@@ -169,3 +169,19 @@ def _bad_ep_size(rank, world):
         else:
             raise AssertionError(f"ep_size={bad!r} accepted")
     return True
+
+
+def _user_groups(rank, world):
+    # Groups the user made, not through init_expert_parallel: their family is learnt (one
+    # all_gather_object), and every sub-group of both is created on all four ranks.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(rank)
+    for algorithm in ALGOS[1:]:
+        layer = MoELayer(cfg("schemoe", algorithm), group=groups[rank // 2])
+        y, aux = layer(torch.randn(12, 12, requires_grad=True))
+        (y.sum() + aux).backward()
+    return True
+
+
+def test_sub_groups_of_user_made_expert_parallel_groups_are_created_on_every_rank(ranks):
+    assert all(ranks(4).run(_user_groups))
