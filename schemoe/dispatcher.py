@@ -92,10 +92,11 @@ class TokenDispatcher:
         send = control_tensor(counts, dtype=torch.long, group=self.topology.group)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.topology.group, async_op=True)
+        buffers = (send, recv)  # both held by `wait` until the exchange has completed
 
         def wait() -> tuple[tuple[int, ...], ...]:
             work.wait()
-            flat = recv.tolist()  # host sync: the splits must be known on the host
+            flat = buffers[1].tolist()  # host sync: the splits must be known on the host
             return tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
 
         return wait
