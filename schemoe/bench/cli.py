@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from .._cli_util import guard
+from ..topology import launcher_local_rank
 
 __all__ = ["BenchEnv", "register"]
 
@@ -80,8 +81,6 @@ def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) 
 
     torch.set_num_threads(1)  # the box's cores are shared by all ranks
     if opts.get("device") == "cuda":  # before the first collective: this rank's GPU
-        from ..topology import launcher_local_rank
-
         torch.cuda.set_device(launcher_local_rank(rank))
     args = argparse.Namespace(**opts)
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))

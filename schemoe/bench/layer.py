@@ -30,7 +30,7 @@ from ..autotune import TUNED, AutoTuner
 from ..collectives import ALGORITHMS
 from ..compression import COMPRESSORS
 from ..costmodel.prediction import predict_ms
-from ..devices import comm_device
+from ..devices import comm_device, control_zeros
 from ..gating.router import capacity
 from ..layer import MoELayer
 from ..layout import Partition
@@ -162,7 +162,7 @@ def _comm_only(layer, args, world: int, dtype: torch.dtype):
     )
     per = [rows // world + (d < rows % world) for d in range(world)]
     x = torch.randn(sum(per), args.model_dim, dtype=dtype)
-    counts = torch.zeros(world * layer.num_local, dtype=torch.long)
+    counts = control_zeros(world * layer.num_local, dtype=torch.long)
     algo = layer.algorithm
 
     def run():
