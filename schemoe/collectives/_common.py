@@ -159,13 +159,22 @@ class CommThread:
     every rank issuing the instance's ops in the same order. The GIL is released inside torch
     ops and `Work.wait`, so the caller's compute and the thread interleave.
 
-    On CUDA (untested here: no multi-GPU machine) the work runs on a side stream that first waits
-    for the caller's stream, and `Job.wait` makes the caller's stream wait for the side stream.
+    CUDA tensors on gloo: the work runs on a side stream that first waits for the caller's
+    stream, and `Job.wait` makes the caller's stream (on the tensor's device) wait for it. On NCCL
+    the thread is not used: `here` enqueues the same work from the calling thread (the issue
+    rule in the module docstring). Neither CUDA path has run on a GPU yet (tests/test_cuda.py and
+    scripts/device_check.sh are ready for the first one).
     """
 
     def __init__(self, name: str) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"schemoe-{name}")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The instance's side stream on `device` (created once)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def here(self, fn: Callable[[], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> Job:
         """Run `fn()` on the calling thread (the NCCL path): on CUDA its ops are enqueued on a
@@ -176,7 +185,7 @@ class CommThread:
             return Job(done_future)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(x.device))
-        stream = self._streams.setdefault(x.device, torch.cuda.Stream(x.device))
+        stream = self._stream(x.device)
         done = torch.cuda.Event()
         with torch.cuda.device(x.device), torch.cuda.stream(stream):
             stream.wait_event(ready)
@@ -193,7 +202,7 @@ class CommThread:
         ready = torch.cuda.Event()
         ready.record()  # on the caller's current stream
         done = torch.cuda.Event()
-        stream = self._streams.setdefault(x.device, torch.cuda.Stream(x.device))
+        stream = self._stream(x.device)
 
         def run() -> torch.Tensor:
             with torch.cuda.device(x.device), torch.cuda.stream(stream):
