@@ -17,7 +17,8 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
     exchange and no host sync;
   * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts,
     started before encode so it overlaps it, and one host sync (`.tolist()`) to read it: the
-    chunk plan's splits must be known on the host.
+    chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
+    communicator (tag "counts"), not on the default group.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class TokenDispatcher:
         self.chunks = chunks
         self.partition = Partition(partition)
         self.uniform_tokens = uniform_tokens
+        # The counts exchange runs on a communicator of its own (never the default group DDP
+        # all-reduces on); creating it is collective, like constructing the layer.
+        P = topology.world
+        self.group = topology.subgroup(tuple(range(P)), tag="counts") if P > 1 else None
 
     def _recv_counts(self, counts: tuple[int, ...], dropless: bool):
         """A function returning [P][El] (the exchange is started now, read when called)."""
@@ -89,9 +94,9 @@ class TokenDispatcher:
         if self.uniform_tokens and not dropless:
             # Every rank's buffer has C rows per expert (C from the same T): no exchange.
             return lambda: ((counts[0],) * El,) * P
-        send = control_tensor(counts, dtype=torch.long, group=self.topology.group)
+        send = control_tensor(counts, dtype=torch.long, group=self.group)
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.topology.group, async_op=True)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         buffers = (send, recv)  # both held by `wait` until the exchange has completed
 
         def wait() -> tuple[tuple[int, ...], ...]:
