@@ -4,6 +4,8 @@
 - several processes on gloo with CUDA tensors (one GPU shared) for the algorithms whose
   collectives gloo supports on CUDA (all_to_all_single, all_gather: naive, hier2d, leader;
   gloo has no CUDA point-to-point, which pairwise and pipe use);
+- the NCCL issue path (calling thread, side stream, events) with CUDA tensors, the backend name
+  patched so gloo carries the bytes;
 - a capacity-mode call with uniform tokens under torch.cuda.set_sync_debug_mode("error");
 - on two or more GPUs (NCCL), a CUDA-event trace in which an all-to-all kernel overlaps an
   expert kernel (skipped on one GPU: NCCL cannot put two ranks on one device).
@@ -26,6 +28,7 @@ from schemoe import (
     ParallelConfig,
     ScheduleConfig,
     compression,
+    devices,
 )
 from schemoe._dist import spawn
 
@@ -99,6 +102,23 @@ def _gloo_cuda(rank, world, policy, algorithm):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_two_gloo_ranks_with_cuda_tensors_match_the_reference(ranks, policy, algorithm):
     assert all(ranks(2).run(_gloo_cuda, policy, algorithm))
+
+
+def _side_streams(rank, world, algorithm):
+    # NCCL's path (phases enqueued from the calling thread on a side stream, ordered by CUDA
+    # events) on one GPU: only the backend name says "nccl", the transport stays gloo.
+    saved = devices.backend_name, devices.comm_device
+    devices.backend_name = lambda group=None: "nccl"
+    devices.comm_device = lambda group=None: torch.device("cpu")
+    try:
+        return _gloo_cuda(rank, world, "schemoe", algorithm)
+    finally:
+        devices.backend_name, devices.comm_device = saved
+
+
+@pytest.mark.parametrize("algorithm", ("hier2d", "leader"))
+def test_the_calling_thread_side_stream_path_matches_the_reference(ranks, algorithm):
+    assert all(ranks(2).run(_side_streams, algorithm))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
