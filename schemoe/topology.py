@@ -156,7 +156,10 @@ class Topology:
             made = [dist.new_group([m[q] for q in ranks], timeout=timeout) for m in family]
             return made[family.index(mine)]
 
-        return per_world(("subgroup", family, tuple(ranks), tag), make)
+        # Keyed by this rank's group too: a full-world EP group and the default group have the
+        # same members but are different parents (their algorithms must not share a thread's
+        # communicator).
+        return per_world(("subgroup", self.group, family, tuple(ranks), tag), make)
 
     def timeout(self) -> datetime.timedelta | None:
         """The parent group's collective timeout, so sub-groups raise as soon as it would
