@@ -137,7 +137,14 @@ def average_expert_gradients(model: nn.Module, ep: ExpertParallel | None = None)
     backward and before clipping / the optimizer step. Collective over `ep.dp_group` (every
     rank calls it). `ep=None`: the model's MoE layers' group, no data-parallel replicas."""
     ep = _layout(model, ep)
-    grads = [p.grad for p in expert_parameters(_bare(model)) if p.grad is not None]
+    params = list(expert_parameters(_bare(model)))
+    if ep.dp_size > 1:
+        # Every replica must hand the all-reduce the same tensors: an expert that got no token
+        # here (no gradient) contributes zeros.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     scale = 1.0 / (ep.ep_size * ep.dp_size)

@@ -185,3 +185,17 @@ def _user_groups(rank, world):
 
 def test_sub_groups_of_user_made_expert_parallel_groups_are_created_on_every_rank(ranks):
     assert all(ranks(4).run(_user_groups))
+
+
+def _one_replica_without_gradients(rank, world):
+    ep = init_expert_parallel(2)
+    torch.manual_seed(5)
+    layer = MoELayer(cfg(), group=ep.ep_group)
+    if ep.dp_rank == 0:  # the other replica never ran backward: no expert gradient at all
+        layer(torch.randn(16, 12))[0].square().sum().backward()
+    average_expert_gradients(layer, ep)
+    return layer.experts.w1_EMH.grad is not None
+
+
+def test_a_replica_without_expert_gradients_still_takes_part_in_the_average(ranks):
+    assert all(ranks(4).run(_one_replica_without_gradients))
