@@ -91,6 +91,10 @@ class Topology:
             # Only launcher variables are read, never behaviour switches.
             env = os.environ.get("LOCAL_WORLD_SIZE")
             ranks_per_node = int(env) if env and world % int(env) == 0 else world
+        elif ranks_per_node > world and ranks_per_node % world == 0:
+            # An expert-parallel group smaller than a node (consecutive ranks, as
+            # init_expert_parallel makes them) lies within one node.
+            ranks_per_node = world
         return cls(world=world, rank=rank, ranks_per_node=ranks_per_node, group=group)
 
     @property
