@@ -15,10 +15,13 @@ from .config import (
 )
 from .layer import MoELayer
 from .parallel import (
+    ExpertParallel,
+    average_expert_gradients,
     clip_grad_norm_,
     ddp_ignore_experts,
     dense_parameters,
     expert_parameters,
+    init_expert_parallel,
     is_expert_param,
 )
 from .topology import Topology
@@ -29,18 +32,21 @@ __all__ = [
     "CollectiveConfig",
     "CompressionConfig",
     "ExpertConfig",
+    "ExpertParallel",
     "GateConfig",
     "MoEConfig",
     "MoELayer",
     "ParallelConfig",
     "ScheduleConfig",
     "Topology",
+    "average_expert_gradients",
     "clip_grad_norm_",
     "collectives",
     "compression",
     "ddp_ignore_experts",
     "dense_parameters",
     "expert_parameters",
+    "init_expert_parallel",
     "is_expert_param",
     "scheduling",
     "trace",

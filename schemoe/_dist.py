@@ -53,7 +53,7 @@ def set_launcher_env(rank: int, world: int, port: int) -> None:
     )
 
 
-def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent):
+def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent, backend="gloo"):
     die_with_parent(parent)  # even a launcher killed by SIGKILL takes its ranks along
     set_launcher_env(rank, world, port)
     import torch
@@ -61,7 +61,9 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent):
 
     torch.set_num_threads(threads)
     try:
-        init_process_group("gloo", timeout_s)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per local rank, before the first collective
+        init_process_group(backend, timeout_s)
         out = fn(rank, world, *args)
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that
         # die with this process before the parent reads them.
@@ -81,9 +83,11 @@ def spawn(
     timeout: float = 120.0,
     threads: int = 1,
     run_timeout: float | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return results by rank.
 
+    `backend`: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs).
     `timeout` bounds every collective; `run_timeout` the whole run (default: timeout + 30 s).
     `fn` must be importable (module level) and its return value picklable. The ranks die with
     the caller: SIGTERM/SIGHUP to it are forwarded to them (then SystemExit(128 + signal)), and
@@ -97,7 +101,7 @@ def spawn(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, results, threads, timeout, os.getpid()),
+            args=(r, world_size, port, fn, args, results, threads, timeout, os.getpid(), backend),
             daemon=True,
         )
         for r in range(world_size)

@@ -52,6 +52,7 @@ from .costmodel.hardware import Hardware, preset
 from .costmodel.model import A2A_MODELS, CostModel, LayerShape
 from .costmodel.prediction import topology_of
 from .costmodel.tune import choose_shortlist
+from .devices import control_tensor
 from .layer import NEEDS_TUNER, MoELayer
 from .topology import Topology
 
@@ -263,7 +264,7 @@ class AutoTuner:
         cfg, topo = layer.config, layer.topology
         tokens = x.numel() // cfg.experts.model_dim
         if topo.world > 1:  # every rank decides on rank 0's shape
-            t = torch.tensor([tokens], device=x.device)
+            t = control_tensor([tokens], dtype=torch.int64, group=topo.group)
             dist.broadcast(t, topo.global_rank(0), group=topo.group)
             tokens = int(t.item())  # host sync, once per layer
         tokens = max(tokens, 1)
@@ -335,6 +336,6 @@ class AutoTuner:
     def _slowest(layer: MoELayer, medians: list[float], device) -> list[float]:
         if layer.topology.world == 1:
             return medians
-        t = torch.tensor(medians, dtype=torch.float64, device=device)
+        t = control_tensor(medians, dtype=torch.float64, group=layer.topology.group)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=layer.topology.group)
         return t.tolist()

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .devices import control_tensor
+
 __all__ = [
     "agree",
     "checked",
@@ -79,7 +81,7 @@ def agree(ok: bool) -> bool:
     _, world = rank_world()
     if world == 1:
         return ok
-    flag = torch.tensor([int(ok)])
+    flag = control_tensor([int(ok)], dtype=torch.int64)  # on the backend's device
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

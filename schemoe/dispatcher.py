@@ -17,7 +17,8 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
     exchange and no host sync;
   * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts,
     started before encode so it overlaps it, and one host sync (`.tolist()`) to read it: the
-    chunk plan's splits must be known on the host.
+    chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
+    communicator (tag "counts"), not on the default group.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .devices import control_tensor
 from .gating.router import Routing
 from .layout import Chunk, Partition, build_plan, decode, encode
 from .topology import Topology
@@ -79,8 +81,12 @@ class TokenDispatcher:
         self.chunks = chunks
         self.partition = Partition(partition)
         self.uniform_tokens = uniform_tokens
+        # The counts exchange runs on a communicator of its own (never the default group DDP
+        # all-reduces on); creating it is collective, like constructing the layer.
+        P = topology.world
+        self.group = topology.subgroup(tuple(range(P)), tag="counts") if P > 1 else None
 
-    def _recv_counts(self, counts: tuple[int, ...], dropless: bool, device):
+    def _recv_counts(self, counts: tuple[int, ...], dropless: bool):
         """A function returning [P][El] (the exchange is started now, read when called)."""
         P, El = self.topology.world, self.num_local
         if P == 1:
@@ -88,13 +94,14 @@ class TokenDispatcher:
         if self.uniform_tokens and not dropless:
             # Every rank's buffer has C rows per expert (C from the same T): no exchange.
             return lambda: ((counts[0],) * El,) * P
-        send = torch.tensor(counts, dtype=torch.long, device=device)
+        send = control_tensor(counts, dtype=torch.long, group=self.group)
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.topology.group, async_op=True)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        buffers = (send, recv)  # both held by `wait` until the exchange has completed
 
         def wait() -> tuple[tuple[int, ...], ...]:
             work.wait()
-            flat = recv.tolist()  # host sync: the splits must be known on the host
+            flat = buffers[1].tolist()  # host sync: the splits must be known on the host
             return tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
 
         return wait
@@ -107,7 +114,7 @@ class TokenDispatcher:
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
         # 1. Start learning what every rank sends to this rank's experts.
-        recv_counts = self._recv_counts(routing.counts, dropless, x_TM.device)
+        recv_counts = self._recv_counts(routing.counts, dropless)
         # 2. Scatter the tokens into the expert-major buffer meanwhile.
         rows_NM = encode(x_TM, routing)
         # 3. Cut the buffer into the region's chunks.

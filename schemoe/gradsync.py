@@ -188,6 +188,7 @@ def data_parallel(
     window: int = 1,
     ranks_per_node: int | None = None,
     find_unused_parameters: bool = False,
+    device_ids: list | None = None,
 ) -> tuple[nn.parallel.DistributedDataParallel, GradSync | None]:
     """`model` (experts already excluded, see `ddp_ignore_experts`) under DDP, its dense gradients
     synchronised by `sync`: "ddp" (DDP's own all-reduce, or with compress bf16/fp16 exactly
@@ -208,6 +209,7 @@ def data_parallel(
         model,
         bucket_cap_mb=bucket_mb,
         find_unused_parameters=find_unused_parameters,
+        device_ids=device_ids,
         **_NO_BUFFER_SYNC,
     )
     if sync == "scheduled":

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
+from .devices import control_zeros
 from .layer import MoELayer
 
 __all__ = ["GPT", "GPTConfig"]
@@ -164,10 +165,13 @@ def evaluate(model: nn.Module, windows: torch.Tensor, size: int) -> float:
     """Mean next-token cross-entropy over every rank's windows (collective when distributed)."""
     was = model.training
     model.eval()
-    tot = torch.zeros(2, dtype=torch.float64)
+    tot = control_zeros(2, dtype=torch.float64)  # on the backend's device
+    dev = next(model.parameters()).device
     for w in windows.split(size):
+        w = w.to(dev)
         logits, _ = model(w[:, :-1])
-        tot[0] += F.cross_entropy(logits.flatten(0, 1), w[:, 1:].reshape(-1), reduction="sum")
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].reshape(-1), reduction="sum")
+        tot[0] += ce.to(tot.device)
         tot[1] += w[:, 1:].numel()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tot)

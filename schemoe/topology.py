@@ -4,9 +4,12 @@ The launcher's LOCAL_WORLD_SIZE (torchrun, or `schemoe._dist.spawn`) gives ranks
 `ParallelConfig.ranks_per_node` overrides it so a test can treat 4 local ranks as 2 nodes x 2.
 Ranks are laid out node-major: rank = node * ranks_per_node + local_rank.
 
-Sub-groups are created once per (parent group, member ranks) and cached. `dist.new_group` is
-collective over the parent group, so every rank must ask for the same sub-groups in the same order;
-`node_groups()` and `peer_groups()` create all of their groups on every rank for that reason.
+Sub-groups are created once per (group family, member ranks, tag) and cached. `dist.new_group` is
+collective over the WHOLE world (torch requires every rank to call it for every group, in the same
+order), so a sub-group of an expert-parallel group smaller than the world is created for every
+sibling group of its family (`family()`: the member lists of all the expert-parallel groups, as
+`schemoe.parallel.init_expert_parallel` registers them), on every rank, in family order; the
+caller gets its own. `node_groups()` and `peer_groups()` create all of their groups likewise.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["Topology", "per_world"]
+__all__ = ["Topology", "launcher_local_rank", "per_world", "register_family"]
 
 # Objects tied to the process groups of one initialisation of torch.distributed (sub-groups,
 # all-to-all algorithms that own sub-groups and comm threads). Keys hold the groups themselves
@@ -44,6 +47,26 @@ def per_world(key: tuple, make: Callable[[], Any]) -> Any:
     if full not in _PER_WORLD:
         _PER_WORLD[full] = make()
     return _PER_WORLD[full]
+
+
+def launcher_local_rank(default: int = 0) -> int:
+    """This process's LOCAL_RANK as the launcher set it (torchrun, `srun torchrun`,
+    `schemoe._dist.spawn`), or `default` without a launcher. Picks the rank's GPU."""
+    env = os.environ.get("LOCAL_RANK")
+    if env is None:
+        return default
+    if not env.isdigit():
+        raise ValueError(f"LOCAL_RANK must be a non-negative int, got {env!r}")
+    return int(env)
+
+
+def register_family(groups: list[Any], members: list[tuple[int, ...]]) -> None:
+    """Declare that `groups` (global ranks `members`, same length each, same order on every rank)
+    partition the world; sub-groups of any of them are then created for all of them."""
+    family = tuple(tuple(m) for m in members)
+    for g in groups:
+        if g is not None:
+            per_world(("family", g), lambda: family)
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,10 @@ class Topology:
             # Only launcher variables are read, never behaviour switches.
             env = os.environ.get("LOCAL_WORLD_SIZE")
             ranks_per_node = int(env) if env and world % int(env) == 0 else world
+        elif ranks_per_node > world and ranks_per_node % world == 0:
+            # An expert-parallel group smaller than a node (consecutive ranks, as
+            # init_expert_parallel makes them) lies within one node.
+            ranks_per_node = world
         return cls(world=world, rank=rank, ranks_per_node=ranks_per_node, group=group)
 
     @property
@@ -93,15 +120,51 @@ class Topology:
         """Rank `q` of this topology's group as a rank of the default group."""
         return q if self.group is None else dist.get_global_rank(self.group, q)
 
+    def members(self) -> tuple[int, ...]:
+        """This topology's ranks as global ranks, in group-rank order."""
+        return tuple(self.global_rank(q) for q in range(self.world))
+
+    def family(self) -> tuple[tuple[int, ...], ...]:
+        """The member lists (global ranks) of this group and its sibling groups, the same tuple
+        on every rank. The default group is its own family; a group registered by
+        `register_family` has its registered one; any other group's family is learnt by one
+        all_gather_object over the world (collective over the world, like new_group itself)."""
+        if self.group is None or not dist.is_initialized():
+            return (tuple(range(self.world)),)
+        known = _PER_WORLD.get((_world(), "family", self.group))
+        if known is not None:
+            return known
+
+        def learn() -> tuple[tuple[int, ...], ...]:
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, self.members())
+            family = tuple(dict.fromkeys(tuple(m) for m in everyone))
+            if len({len(m) for m in family}) != 1:
+                raise ValueError(
+                    f"expert-parallel groups must all have the same size, got {list(family)}"
+                )
+            return family
+
+        return per_world(("learnt-family", self.group), learn)
+
     def subgroup(self, ranks: tuple[int, ...], tag: str = "") -> Any:
-        """The cached process group of `ranks` (ranks of this topology's group). Collective.
+        """The cached process group of `ranks` (ranks of this topology's group). Collective over
+        the world: the same sub-group of every sibling group is created on every rank, in
+        family order, and this rank gets its own group's.
 
         Different tags give different communicators over the same ranks, so two transfers can
         run at the same time (each process group has its own worker and ordering)."""
-        return per_world(
-            ("subgroup", self.group, tuple(ranks), tag),
-            lambda: dist.new_group([self.global_rank(q) for q in ranks], timeout=self.timeout()),
-        )
+        family, mine = self.family(), self.members()
+
+        def make() -> Any:
+            timeout = self.timeout()
+            made = [dist.new_group([m[q] for q in ranks], timeout=timeout) for m in family]
+            return made[family.index(mine)]
+
+        # Keyed by this rank's group too: a full-world EP group and the default group have the
+        # same members but are different parents (their algorithms must not share a thread's
+        # communicator).
+        return per_world(("subgroup", self.group, family, tuple(ranks), tag), make)
 
     def timeout(self) -> datetime.timedelta | None:
         """The parent group's collective timeout, so sub-groups raise as soon as it would

@@ -7,11 +7,15 @@
 The corpus needs no download: by default the text of Python's own standard-library sources,
 byte-level tokens (vocabulary 256); `--corpus PATH` takes a text file or a folder of them; the last
 5% is held out for the eval loss. Dense weights are data-parallel (DDP averages their gradients);
-experts are expert-parallel over all ranks, and their gradients (summed over ranks by the
-all-to-all backward) are divided by the world size, so every gradient is that of the mean loss
-over all ranks, whatever P. AdamW, linear warm-up then cosine decay, clipping by the global norm
+experts are expert-parallel over groups of --ep-size ranks (default: all) and data-parallel across
+those groups (`schemoe.parallel.init_expert_parallel`); `average_expert_gradients` makes their
+gradients the mean-loss gradients DDP gives the dense weights, whatever ep x dp. AdamW, linear warm-up then cosine decay, clipping by the global norm
 (dense norm, identical on all ranks, plus the all-reduced expert norm). Rank 0 prints step lines
-(and a progress bar on a terminal) and a last line of JSON. Timing is host wall time (CPU ranks).
+(and a progress bar on a terminal) and a last line of JSON. Timing is host wall time.
+
+Devices: `--device cuda` (the default when CUDA is available) places the model and data on
+cuda:LOCAL_RANK and uses NCCL; `--device cpu` uses gloo. `--dtype bf16` runs forward and loss
+under torch.autocast (weights and optimizer state stay fp32).
 """
 
 from __future__ import annotations
@@ -32,10 +36,17 @@ from . import checkpoint, failures
 from ._cli_util import guard
 from ._dist import init_process_group, spawn
 from .autotune import AutoTuner
+from .devices import local_device
 from .gradsync import data_parallel
 from .layer import MoELayer
 from .lm import GPT, GPTConfig, batch, eval_windows, evaluate, load_corpus
-from .parallel import clip_grad_norm_, ddp_ignore_experts, expert_parameters
+from .parallel import (
+    average_expert_gradients,
+    clip_grad_norm_,
+    ddp_ignore_experts,
+    init_expert_parallel,
+)
+from .topology import launcher_local_rank
 from .train_args import (
     add_arguments,
     check_args,
@@ -122,6 +133,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     the per-module checks that name where it started."""
     check_args(a, world)
     check_paths(a)
+    dev = local_device(a.device, launcher_local_rank(rank))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    ep = init_expert_parallel(a.ep_size or world)  # every rank: all EP and DP groups
     torch.manual_seed(a.seed)  # same dense init on every rank; experts seed per expert
     data = load_corpus(a.corpus, a.corpus_bytes)
     check_corpus(a, data.numel())
@@ -130,8 +145,9 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     core = GPT(
         GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every),
         moe_config_from_args(a),
+        group=ep.ep_group,
         seed=a.seed,
-    )
+    ).to(dev)
     torch.manual_seed(a.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
     model = core
     if world > 1:  # buffers (the expert bias) have their own all-reduce: broadcast_buffers off
@@ -142,6 +158,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             algorithm=a.grad_algorithm,
             bucket_mb=a.bucket_mb if a.bucket_mb else (25.0 if a.grad_sync == "ddp" else 1.0),
             ranks_per_node=a.ranks_per_node,
+            device_ids=[dev] if dev.type == "cuda" else None,
         )
     opt = _optimizer(core, a)
     g = torch.Generator().manual_seed(a.seed * 7919 + rank)
@@ -191,11 +208,12 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(step, a)
-            x, y = batch(train_data, a.batch, a.seq_len, g)
+            x, y = (t.to(dev, non_blocking=True) for t in batch(train_data, a.batch, a.seq_len, g))
             if checker:
                 checker.step = step
-            logits, aux = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+                logits, aux = model(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             if checker:
                 checker.check_loss(loss)
             stat = loss.detach().clone()
@@ -216,12 +234,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             (loss + aux).backward()
             t2 = time.perf_counter()
             where[1] = "optimizer"
-            for p in expert_parameters(core) if world > 1 else ():
-                if p.grad is not None:  # summed over ranks by the all-to-all: make it a mean
-                    p.grad.div_(world)
+            average_expert_gradients(core, ep)  # the mean-loss gradient, as DDP's dense ones
             if checker:
                 checker.check_grads()
-            gnorm = clip_grad_norm_(core, a.clip)
+            gnorm = clip_grad_norm_(core, a.clip, ep)
             opt.step()
             for m in moe:
                 if m.expert_bias is not None:
@@ -267,6 +283,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "tokens_per_s": tok * len(timed) / sum(timed) if timed else 0.0,
         "steps": last,
         "world_size": world,
+        "ep_size": ep.ep_size,
+        "dp_size": ep.dp_size,
+        "device": dev.type,
+        "dtype": a.dtype,
         **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compress")},
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
@@ -297,7 +317,9 @@ def _main(a: argparse.Namespace) -> int:
     validate(a, None if torchrun else a.nproc)
     if torchrun:
         torch.set_num_threads(a.threads)
-        init_process_group("gloo", a.timeout)
+        if a.device == "cuda":
+            torch.cuda.set_device(launcher_local_rank())
+        init_process_group("nccl" if a.device == "cuda" else "gloo", a.timeout)
         try:
             train(dist.get_rank(), dist.get_world_size(), a)
         finally:
@@ -305,7 +327,14 @@ def _main(a: argparse.Namespace) -> int:
                 dist.destroy_process_group()
         return 0
     # Collectives are bounded by --timeout; the run itself may take as long as it needs.
-    spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads, run_timeout=float("inf"))
+    if a.device == "cuda" and a.nproc > torch.cuda.device_count():
+        raise ValueError(
+            f"--nproc {a.nproc} with --device cuda needs {a.nproc} GPUs, this node has "
+            f"{torch.cuda.device_count()}"
+        )
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    spawn(train, a.nproc, a, timeout=a.timeout, threads=a.threads, run_timeout=float("inf"),
+          backend=backend)  # fmt: skip
     return 0
 
 

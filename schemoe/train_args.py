@@ -16,6 +16,8 @@ import math
 import uuid
 from pathlib import Path
 
+import torch
+
 from . import checkpoint, compression
 from .collectives import ALGORITHMS
 from .config import (
@@ -142,13 +144,25 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
     ALGORITHMS.get(a.algorithm)
     for c in (a.compress, a.compress_backward):
         compression.build(c, cfg.compression.options)  # names and their options
+    if a.ep_size is not None:
+        if a.ep_size < 1:
+            raise ValueError(f"--ep-size must be >= 1, got {a.ep_size}")
+        if world is not None and world % a.ep_size:
+            raise ValueError(f"--ep-size {a.ep_size} must divide the {world} ranks")
+        if a.experts % a.ep_size:
+            raise ValueError(f"--experts {a.experts} must be divisible by --ep-size {a.ep_size}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     if a.grad_sync == "ddp" and a.grad_algorithm != "flat":
         raise ValueError(f"--grad-algorithm {a.grad_algorithm} needs --grad-sync scheduled")
     if a.bucket_mb is not None and not (math.isfinite(a.bucket_mb) and a.bucket_mb > 0):
         raise ValueError(f"--bucket-mb must be > 0 and finite, got {a.bucket_mb:g}")
     if world is not None:
-        if a.experts % world:
-            raise ValueError(f"--experts {a.experts} must be divisible by the {world} ranks")
+        if a.experts % (a.ep_size or world):
+            raise ValueError(
+                f"--experts {a.experts} must be divisible by the {a.ep_size or world} "
+                "expert-parallel ranks"
+            )
         if a.ranks_per_node is not None and world % a.ranks_per_node:
             raise ValueError(f"--ranks-per-node {a.ranks_per_node} must divide the {world} ranks")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
@@ -218,6 +232,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--layers", type=int, default=4)
     a("--heads", type=int, default=4)
     a("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
+    a("--ep-size", type=int, default=None, help="expert-parallel group size (default: world)")
+    cuda = torch.cuda.is_available()
+    a("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
+      help="cuda: NCCL, model on cuda:LOCAL_RANK; cpu: gloo (default: cuda when available)")  # fmt: skip
+    a("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     m = p.add_argument_group("MoE layer (every MoEConfig field)").add_argument
     m("--dim", type=int, default=128, help="model dim")
     m("--hidden", type=int, default=256, help="expert (and dense FFN) hidden dim")

@@ -15,7 +15,7 @@ PKG = ROOT / "schemoe"
 
 # Bottom up. A module may import from its own layer or any layer below.
 LAYERS = [
-    ("parts", ["config", "registry", "topology", "trace", "gating", "layout", "experts",
+    ("parts", ["config", "registry", "devices", "topology", "trace", "gating", "layout", "experts",
                "collectives", "compression", "_cli_util"]),  # _cli_util: a leaf (error guard)
     ("scheduling", ["scheduling"]),
     ("planning", ["costmodel"]),

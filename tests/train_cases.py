@@ -6,6 +6,8 @@ from __future__ import annotations
 from schemoe import train as T
 
 TINY = [
+    "--device",  # the test ranks are gloo CPU ranks, also on a machine with a GPU
+    "cpu",
     "--dim",
     "32",
     "--hidden",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from .._cli_util import guard
+from ..topology import launcher_local_rank
 
 __all__ = ["BenchEnv", "register"]
 
@@ -83,6 +84,8 @@ def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) 
     import torch
 
     torch.set_num_threads(1)  # the box's cores are shared by all ranks
+    if opts.get("device") == "cuda":  # before the first collective: this rank's GPU
+        torch.cuda.set_device(launcher_local_rank(rank))
     args = argparse.Namespace(**opts)
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     testbed = None
@@ -103,13 +106,18 @@ def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) 
     importlib.import_module(_MULTI_RANK[name]).bench(args, env)
 
 
+def _backend(opts: dict) -> str:
+    """NCCL for `--device cuda` (benchmarks that have the flag), else gloo."""
+    return "nccl" if opts.get("device") == "cuda" else "gloo"
+
+
 def _joined(name: str, opts: dict) -> None:
     """Run as a rank of a group whose launcher set RANK/WORLD_SIZE/MASTER_* (read only here)."""
     import torch.distributed as dist
 
     from .._dist import init_process_group
 
-    init_process_group("gloo", timeout_s=opts["timeout"])
+    init_process_group(_backend(opts), timeout_s=opts["timeout"])
     try:
         _rank(dist.get_rank(), dist.get_world_size(), name, opts, launched=True)
     finally:
@@ -135,7 +143,7 @@ def _main(name: str, args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    spawn(_rank, args.nproc, name, opts, timeout=args.timeout)
+    spawn(_rank, args.nproc, name, opts, timeout=args.timeout, backend=_backend(opts))
     return 0
 
 

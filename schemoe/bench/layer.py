@@ -30,6 +30,7 @@ from ..autotune import TUNED, AutoTuner
 from ..collectives import ALGORITHMS
 from ..compression import COMPRESSORS
 from ..costmodel.prediction import predict_ms
+from ..devices import comm_device, control_zeros
 from ..gating.router import capacity
 from ..layer import MoELayer
 from ..layout import Partition
@@ -58,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU per rank (cuda:LOCAL_RANK), NCCL, CUDA-event timing",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
@@ -85,6 +92,8 @@ def validate(args: argparse.Namespace) -> None:
             COMPRESSORS.get(name)
     if any(r < 1 for r in args.chunks):
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     if "deepspeed" in args.peer and args.top_k not in (1, 2):
         raise ValueError(
             f"--peer deepspeed needs --top-k 1 or 2 (DeepSpeed's gate), got {args.top_k}"
@@ -153,7 +162,7 @@ def _comm_only(layer, args, world: int, dtype: torch.dtype):
     )
     per = [rows // world + (d < rows % world) for d in range(world)]
     x = torch.randn(sum(per), args.model_dim, dtype=dtype)
-    counts = torch.zeros(world * layer.num_local, dtype=torch.long)
+    counts = control_zeros(world * layer.num_local, dtype=torch.long)
     algo = layer.algorithm
 
     def run():
@@ -177,6 +186,12 @@ def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def bench(args: argparse.Namespace, env) -> None:
+    """Collective: every rank runs the candidates; tensors and layers on the backend's device."""
+    with torch.device(comm_device()):
+        _bench(args, env)
+
+
+def _bench(args: argparse.Namespace, env) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(1234 + rank)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import comm_device, control_tensor
+
 __all__ = ["Stats", "header", "interleaved", "measure", "percentile", "report", "table"]
 
 
@@ -75,8 +77,9 @@ def measure(
     """Time each candidate `repeats` times after `warmup` rounds, interleaved, barrier-synced.
 
     Collective: every rank of `group` must call it with the same candidate names. Each callable
-    must finish its work before returning (wait on pending transfers); on CUDA it should end with
-    a synchronize, which is a host-device sync by design.
+    must finish its work before returning (wait on pending transfers). On NCCL (the backend's
+    device is CUDA) each sample is timed with CUDA events around the call on the current stream;
+    on gloo with the host clock.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
@@ -84,12 +87,23 @@ def measure(
     for name in interleaved(names, warmup):
         _sync(group)
         candidates[name]()
-    samples = torch.zeros(repeats, len(names), dtype=torch.float64)
+    cuda = comm_device(group).type == "cuda"
+    ms = [[0.0] * len(names) for _ in range(repeats)]
     for i, name in enumerate(interleaved(names, repeats)):
         _sync(group)
-        t0 = time.perf_counter()
-        candidates[name]()
-        samples[i // len(names), i % len(names)] = (time.perf_counter() - t0) * 1e3
+        if cuda:  # the device's own clock: CUDA events on the current stream
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            candidates[name]()
+            end.record()
+            end.synchronize()  # host sync by design: the sample must be read
+            ms[i // len(names)][i % len(names)] = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            candidates[name]()
+            ms[i // len(names)][i % len(names)] = (time.perf_counter() - t0) * 1e3
+    samples = control_tensor([v for row in ms for v in row], dtype=torch.float64, group=group)
+    samples = samples.view(repeats, len(names))
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)  # the slowest rank counts
     return {n: Stats.of(samples[:, j].tolist()) for j, n in enumerate(names)}

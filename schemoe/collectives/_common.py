@@ -1,6 +1,14 @@
 """Helpers the all-to-all algorithms share: split offsets, link and output-buffer checks, the
 comm thread that drives multi-phase transfers, blocking exchange primitives, and the `start` of
-the algorithms that run on such a thread."""
+the algorithms that run on such a thread.
+
+Issue rule (NCCL): no collective from a worker thread. `Threaded.start` drives the phases on the
+instance's `CommThread` only where `devices.issues_from_worker_thread(group)` (gloo); on NCCL it
+enqueues every phase from the calling thread on a side stream that first waits for the caller's
+stream (an event), records an event when the last phase is enqueued, and `Job.wait` makes the
+caller's stream (on the tensor's device) wait for that event. Every buffer the phases read or
+write is `record_stream`ed on the side stream, so the caching allocator cannot reuse it before
+the transfer's event completes."""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from ..devices import control_tensor, issues_from_worker_thread
 from ..topology import Topology
 from .base import Done, check_splits
 
@@ -89,12 +98,11 @@ def permute_blocks(y: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) 
     return torch.cat([y.narrow(0, starts[i], sizes[i]) for i in order])
 
 
-def gather_splits(values: list[int], group, size: int, device: torch.device) -> list[list[int]]:
+def gather_splits(values: list[int], group, size: int) -> list[list[int]]:
     """Every member's `values` (same length on all), by group rank. Collective; HOST SYNC.
 
-    The ints travel on `device` so that the group's backend (gloo: CPU, NCCL: CUDA) accepts them.
-    """
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    The ints travel on the group's backend device (gloo: CPU, NCCL: CUDA)."""
+    mine = control_tensor(values, dtype=torch.int64, group=group)
     parts = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(parts, mine, group=group)
     return torch.stack(parts).tolist()  # host sync: the next phase's splits depend on these
@@ -120,15 +128,21 @@ def exchange(
 class Job:
     """Pending result of work running on a `CommThread`; `wait` re-raises what the work raised."""
 
-    def __init__(self, future: Future, done: torch.cuda.Event | None = None) -> None:
+    def __init__(
+        self,
+        future: Future,
+        done: torch.cuda.Event | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self._future = future
         self._done = done
+        self._device = device
 
     def wait(self) -> torch.Tensor:
         # Blocks until the thread finishes; a collective that times out raises RuntimeError there.
         out = self._future.result()
-        if self._done is not None:
-            torch.cuda.current_stream().wait_event(self._done)
+        if self._done is not None:  # the tensor's device's stream, not the current device's
+            torch.cuda.current_stream(self._device).wait_event(self._done)
         return out
 
     def is_completed(self) -> bool:
@@ -145,13 +159,41 @@ class CommThread:
     every rank issuing the instance's ops in the same order. The GIL is released inside torch
     ops and `Work.wait`, so the caller's compute and the thread interleave.
 
-    On CUDA (untested here: no multi-GPU machine) the work runs on a side stream that first waits
-    for the caller's stream, and `Job.wait` makes the caller's stream wait for the side stream.
+    CUDA tensors on gloo: the work runs on a side stream that first waits for the caller's
+    stream, and `Job.wait` makes the caller's stream (on the tensor's device) wait for it. On NCCL
+    the thread is not used: `here` enqueues the same work from the calling thread (the issue
+    rule in the module docstring). Neither CUDA path has run on a GPU yet (tests/test_cuda.py and
+    scripts/device_check.sh are ready for the first one).
     """
 
     def __init__(self, name: str) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"schemoe-{name}")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The instance's side stream on `device` (created once)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def here(self, fn: Callable[[], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> Job:
+        """Run `fn()` on the calling thread (the NCCL path): on CUDA its ops are enqueued on a
+        side stream ordered after the caller's stream by an event; returns its Pending."""
+        done_future: Future = Future()
+        if not x.is_cuda:
+            done_future.set_result(fn())
+            return Job(done_future)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(x.device))
+        stream = self._stream(x.device)
+        done = torch.cuda.Event()
+        with torch.cuda.device(x.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            x.record_stream(stream)  # the caller may drop x before the side stream is done
+            out.record_stream(stream)
+            done_future.set_result(fn())
+            done.record(stream)
+        return Job(done_future, done, x.device)
 
     def submit(self, fn: Callable[[], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> Job:
         """Run `fn()` (which reads `x` and fills `out`) on the thread; return its Pending."""
@@ -160,7 +202,7 @@ class CommThread:
         ready = torch.cuda.Event()
         ready.record()  # on the caller's current stream
         done = torch.cuda.Event()
-        stream = self._streams.setdefault(x.device, torch.cuda.Stream(x.device))
+        stream = self._stream(x.device)
 
         def run() -> torch.Tensor:
             with torch.cuda.device(x.device), torch.cuda.stream(stream):
@@ -171,14 +213,15 @@ class CommThread:
                 done.record(stream)
                 return result
 
-        return Job(self._pool.submit(run), done)
+        return Job(self._pool.submit(run), done, x.device)
 
 
 class Threaded:
     """Base of the single-link algorithms whose whole transfer runs on their own `CommThread`.
 
     A subclass sets `name`, `links`, `self.topo` and `self._thread`, and implements
-    `_run(x, send, recv, out)`, which moves the rows and fills `out` (called on the thread)."""
+    `_run(x, send, recv, out)`, which moves the rows and fills `out` (called on the thread, or
+    on the calling thread where the backend forbids worker threads: NCCL)."""
 
     name: str
     links: tuple[str, ...]
@@ -202,7 +245,10 @@ class Threaded:
             return Done(out.copy_(x))
         x = x.contiguous()
         send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
-        return self._thread.submit(lambda: self._run(x, send, recv, out), x, out)
+        run = lambda: self._run(x, send, recv, out)
+        if issues_from_worker_thread(self.topo.group):
+            return self._thread.submit(run, x, out)
+        return self._thread.here(run, x, out)
 
     def _run(
         self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor

@@ -15,6 +15,19 @@ shared output buffer. `start(...)` without `link` moves everything.
 waited on), and `Pending.wait()` blocks until done, raising RuntimeError within the process group's
 timeout if a peer never arrives. A collective never compresses; compression is the scheduler's job.
 
+Issue rules every algorithm follows (DESIGN.md, "Devices and scale-out rules"):
+  * devices: every tensor handed to torch.distributed lives on the backend's device; control
+    tensors (splits, counts) are made by `schemoe.devices.control_tensor`;
+  * communicators: an algorithm moves rows on sub-groups of its own (`Topology.subgroup` with a
+    tag), never on the default group that DDP/FSDP all-reduce on; sub-groups of an
+    expert-parallel group are created for every sibling group on every rank, in the same order;
+  * threads: on NCCL no collective is issued from a worker thread (`devices.
+    issues_from_worker_thread`): a multi-phase algorithm enqueues its phases from the calling
+    thread on a side stream ordered by CUDA events (`_common.CommThread.here`); on gloo the
+    phases run on the instance's comm thread so `start` returns at once;
+  * lifetimes: every buffer a transfer reads or writes is kept alive by its Pending (or
+    `record_stream`ed on the side stream) until the transfer completes.
+
 To add an algorithm:
 
     from schemoe.collectives import ALGORITHMS

@@ -57,7 +57,7 @@ class Hier2D(Threaded):
         rpn, nodes, me = self.topo.ranks_per_node, self.topo.nodes, self.topo.local_rank
         # 0. cnt[l][d]: rows local rank l sends to rank d (host sync when the node has peers).
         if rpn > 1:
-            cnt = gather_splits(send, self.node_group, rpn, x.device)
+            cnt = gather_splits(send, self.node_group, rpn)
         else:
             cnt = [send]
         # 1. Blocks (dest node n, dest local j) -> (j, n); local rank j gets all its column.

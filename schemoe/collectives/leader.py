@@ -49,7 +49,7 @@ class Leader(Threaded):
         leader = self.topo.local_rank == 0
         # 0. snd[l][d] / rcv[l][s]: the splits of local rank l (host sync when there are peers).
         if rpn > 1:
-            both = gather_splits(send + recv, self.node_group, rpn, x.device)
+            both = gather_splits(send + recv, self.node_group, rpn)
             snd, rcv = [b[:world] for b in both], [b[world:] for b in both]
         else:
             snd, rcv = [send], [recv]

@@ -1,4 +1,7 @@
-"""`naive`: one all_to_all_single over the whole group (what NCCL/gloo do by default)."""
+"""`naive`: one all_to_all_single over the whole group (what NCCL/gloo do by default).
+
+It runs on a communicator of its own (tag "naive"), never the default group, so its all-to-alls
+do not queue behind DDP's all-reduce on one communicator."""
 
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ __all__ = ["Naive", "Work"]
 class Work:
     """Pending result of an async torch.distributed call."""
 
-    def __init__(self, work, out: torch.Tensor) -> None:
+    def __init__(self, work, out: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         self._work = work
         self._out = out
+        self._keep = keep  # the input must outlive the op reading it
 
     def wait(self) -> torch.Tensor:
         self._work.wait()
@@ -35,6 +39,8 @@ class Naive:
 
     def __init__(self, topology: Topology) -> None:
         self.topo = topology
+        world = tuple(range(topology.world))
+        self.group = topology.subgroup(world, tag="naive") if topology.world > 1 else None
 
     def start(
         self,
@@ -55,6 +61,6 @@ class Naive:
             return Done(out)
         x = x.contiguous()
         work = dist.all_to_all_single(
-            out, x, list(recv_splits), list(send_splits), group=self.topo.group, async_op=True
+            out, x, list(recv_splits), list(send_splits), group=self.group, async_op=True
         )
-        return Work(work, out)
+        return Work(work, out, x)

@@ -32,7 +32,7 @@ from ..costmodel.model import A2A_MODELS, LayerShape
 from ..costmodel.prediction import predict, predict_config
 from ..costmodel.tune import explore
 from ..testbed.netns import parse_rate
-from ..topology import Topology
+from ..topology import Topology, launcher_local_rank
 from ..trace import gantt
 from . import measure, steps
 
@@ -44,6 +44,8 @@ POLICY_ROWS = ("sequential", "tutel", "fastermoe", "schemoe", "search")
 def _rank(rank: int, world: int, opts: dict) -> dict | None:
 
     torch.set_num_threads(1)  # the ranks share the host's cores, as in `schemoe bench`
+    if opts["device"] == "cuda":  # profile the GPU and NCCL this rank trains on
+        torch.cuda.set_device(launcher_local_rank(rank))
     topo = Topology.from_group(None, opts["ranks_per_node"])
     hw, pts = measure.measure(
         topo,
@@ -88,9 +90,15 @@ def _profile(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "path": args.path,
         "rate_bps": parse_rate(args.link_rate) if args.link_rate else None,
+        "device": args.device,
     }
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+    backend = "nccl" if args.device == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched (torchrun, testbed)
-        init_process_group("gloo", timeout_s=args.timeout)
+        if args.device == "cuda":
+            torch.cuda.set_device(launcher_local_rank())
+        init_process_group(backend, timeout_s=args.timeout)
         try:
             _rank(dist.get_rank(), dist.get_world_size(), opts)
         finally:
@@ -98,7 +106,7 @@ def _profile(args: argparse.Namespace) -> int:
         return 0
     if args.ranks_per_node is None:
         opts["ranks_per_node"] = max(1, args.nproc // 2)
-    spawn(_rank, args.nproc, opts, timeout=args.timeout)
+    spawn(_rank, args.nproc, opts, timeout=args.timeout, backend=backend)
     return 0
 
 
@@ -358,6 +366,8 @@ def register(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     p.add_argument("--experts", type=int, default=0, help="default: 2 per rank")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available()
+                   else "cpu", help="cuda: NCCL, one GPU per rank, CUDA-event timing")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=guard("schemoe profile", _profile))
 

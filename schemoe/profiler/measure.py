@@ -40,6 +40,7 @@ from ..config import ExpertConfig
 from ..costmodel.hardware import Hardware, Link
 from ..costmodel.model import LayerShape, expert_flops, split_bytes
 from ..costmodel.profiles import fit_gemm, fit_line, fit_link
+from ..devices import comm_device
 from ..experts import BatchedFFN
 from .calibrate import calibrate
 
@@ -116,7 +117,7 @@ def _memory_and_codecs(model_dim: int, repeats: int):
     cands, nbytes = {}, {}
     for n in (512, 2048, 8192):
         x = torch.randn(n, model_dim)
-        cands["copy", n] = partial(x.index_select, 0, torch.randperm(n))
+        cands["copy", n] = partial(x.index_select, 0, torch.randperm(n, device=x.device))
         nbytes["copy", n] = x.numel() * 4
         acc, g = torch.zeros(n, model_dim), torch.randn(n, model_dim)
         cands["stream", n] = partial(acc.add_, g)  # a gradient accumulation: read 2, write 1
@@ -172,6 +173,13 @@ def measure(
     """Fit a Hardware record on the ranks of `topo` (collective); (record, raw points). The
     GEMMs are fitted at `model_dim` x `hidden`, and the layer steps run `tokens` per rank and
     `experts` experts (0: 2 per rank), top-2, f = 1.25: profile at your layer's shape."""
+    # Every sample runs on the backend's device (CUDA under NCCL), timed by the shared timer
+    # (CUDA events there); tensors made without a device land on it.
+    with torch.device(comm_device(topo.group)):
+        return _measure(topo, model_dim, hidden, tokens, experts, rate_bps, quick, name)
+
+
+def _measure(topo, model_dim, hidden, tokens, experts, rate_bps, quick, name):
     repeats = 3 if quick else 7
     E = experts or 2 * topo.world
     sizes = (256 << 10, 1 << 20, 4 << 20) if quick else (128 << 10, 512 << 10, 2 << 20, 8 << 20)
