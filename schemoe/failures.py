@@ -44,18 +44,21 @@ _SIGNS = (
     ("Broken pipe", "closed"),
     ("Connection refused", "closed"),
     ("Timed out waiting", "timeout"),  # gloo: "Timed out waiting 4000ms for send operation"
+    ("Application timeout caused pair closure", "timeout"),  # gloo, on the waiting side
     ("collective operation timeout", "timeout"),  # NCCL watchdog
     ("NCCL communicator was aborted", "closed"),
     ("ncclRemoteError", "closed"),
 )
 _BACKENDS = ("gloo", "NCCL", "nccl", "c10d")
+# gloo messages that carry no backend name but say nothing else: matched on their own.
+_OWN = ("Application timeout caused pair closure",)
 
 
 def _cause(e: BaseException) -> str | None:
     """ "closed" (a peer's connection went away), "timeout" (a peer stayed silent past the
     timeout) or None (not a recognised backend message)."""
     text = str(e)
-    if not any(b in text for b in _BACKENDS):
+    if not any(b in text for b in _BACKENDS) and not any(o in text for o in _OWN):
         return None
     return next((cause for sign, cause in _SIGNS if sign in text), None)
 

@@ -79,9 +79,7 @@ def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
         experts=ExpertConfig(
             model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation, bias=a.expert_bias
         ),
-        # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares),
-        # so capacity-mode splits follow from the config: no counts exchange, no host sync.
-        parallel=ParallelConfig(ranks_per_node=a.ranks_per_node, uniform_tokens=True),
+        parallel=ParallelConfig(ranks_per_node=a.ranks_per_node, uniform_tokens=a.uniform_tokens),
         schedule=ScheduleConfig(
             policy=a.policy,
             chunks=a.chunks,
@@ -252,6 +250,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--activation", default="gelu", help="relu | gelu | swiglu")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
     m("--ranks-per-node", type=int, default=None)
+    # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares), so
+    # capacity-mode splits follow from the config: no counts exchange, no host sync.
+    m("--uniform-tokens", action=argparse.BooleanOptionalAction, default=True,
+      help="every rank routes the same tokens per call (default: yes, as this trainer does)")  # fmt: skip
     m("--policy", default="schemoe", help="a policy name, or auto (the cost model chooses)")
     m("--chunks", type=int, default=2)
     m("--budget", default="lossless", help="auto: lossless | fp16 | lossy compressors allowed")

@@ -172,6 +172,7 @@ GLOO = "[/src/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
         (GLOO + "Connection closed by peer [127.0.0.1]:30430", True),
         (GLOO + "Read error [127.0.0.1]:7567: Connection reset by peer", True),
         (GLOO + "Timed out waiting 4000ms for send operation to complete", True),
+        ("Application timeout caused pair closure", True),  # gloo's waiting side, bare
         ("[gloo/allreduce.cc:41] Expected tensors of equal size, got 4 and 8", False),
         ("ProcessGroupGloo does not support this reduce op", False),
         ("CUDA out of memory", False),

@@ -47,8 +47,11 @@ def _child(mode: str, out_path: str) -> None:
         splits = [rows if topo.same_node(d) == (phase == "intra") else 0 for d in range(topo.world)]
         x = torch.ones(sum(splits))
         y = torch.empty_like(x)
+        # The counter is read before the barrier: no rank of this node can start sending before
+        # rank 0 got there (read after it, the other rank's first bytes could be missed).
+        tx0 = _tx_bytes()
         dist.barrier()
-        tx0, t0 = _tx_bytes(), time.perf_counter()
+        t0 = time.perf_counter()
         dist.all_to_all_single(y, x, splits, splits)
         dist.barrier()  # the slowest pair decides
         secs, tx = time.perf_counter() - t0, _tx_bytes() - tx0

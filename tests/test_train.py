@@ -148,6 +148,7 @@ def test_every_moe_config_field_is_reachable_from_the_command_line():
         "--expert-bias",
         "--ranks-per-node",
         "2",
+        "--no-uniform-tokens",
         "--policy",
         "tutel",
         "--chunks",
