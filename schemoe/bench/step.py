@@ -146,7 +146,7 @@ def _step(model: nn.Module, core: nn.Module, opt, tokens, targets, world: int, g
         logits, aux = model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         (loss + aux).backward()
-        clip_grad_norm_(core, 1.0, group=group)
+        clip_grad_norm_(core, 1.0, group)
         opt.step()
         stat = loss.detach().clone()
         if world > 1:
