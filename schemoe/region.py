@@ -115,6 +115,13 @@ class _Runner:
         return self.out
 
 
+def _keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph=True). torch says so only
+    through a private function; without it a second backward raises the clear error below."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(probe()) if probe is not None else False
+
+
 def _params(experts: nn.Module) -> list[nn.Parameter]:
     return [p for p in experts.parameters() if p.requires_grad]
 
@@ -137,13 +144,26 @@ class _RegionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NM: torch.Tensor):
         region: Region = ctx.region
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "double backward (create_graph=True) through a scheduled MoE region is not "
+                "supported: its backward runs the experts' gradients outside the graph"
+            )
+        keep = _keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
         params = _params(region.experts)
         acc: list[torch.Tensor | None] = [None] * len(params)
         owned = [False] * len(params)  # acc[j] is our own sum (safe to add into in place)
 
         def expert_bwd(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-            leaf, y = region.saved.pop(i)
-            grads = torch.autograd.grad(y, (leaf, *params), gy.to(y.dtype), allow_unused=True)
+            if i not in region.saved:
+                raise RuntimeError(
+                    "this MoE region's backward already ran and freed its expert graphs; to "
+                    "run backward through it again, pass retain_graph=True the first time"
+                )
+            leaf, y = region.saved[i] if keep else region.saved.pop(i)
+            grads = torch.autograd.grad(
+                y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
+            )
             for j, g in enumerate(grads[1:]):
                 if g is None:
                     continue

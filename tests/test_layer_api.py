@@ -202,3 +202,41 @@ def test_layers_built_in_a_row_get_different_experts_and_the_global_seed_decides
     assert torch.equal(_experts_of(manual=3), _experts_of(manual=3))
     assert not torch.equal(_experts_of(manual=3), _experts_of(manual=4))
     assert torch.equal(_experts_of(seed=7, manual=3), _experts_of(seed=7, manual=4))
+
+
+def _twice_layer():
+    torch.manual_seed(0)
+    cfg = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=2, capacity_factor=1.0),
+        experts=ExpertConfig(model_dim=8, hidden_dim=16),
+        schedule=ScheduleConfig(policy="schemoe", chunks=2),
+    )
+    return MoELayer(cfg, seed=1)
+
+
+def test_backward_twice_with_retain_graph_accumulates_the_same_gradients_twice():
+    layer = _twice_layer()
+    x = torch.randn(12, 8, requires_grad=True)
+    y, aux = layer(x)
+    loss = (y**2).sum() + aux
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    gx = x.grad.clone()
+    loss.backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n])
+    torch.testing.assert_close(x.grad, 2 * gx)
+
+
+def test_a_second_backward_without_retain_graph_and_double_backward_raise_clear_errors():
+    layer = _twice_layer()
+    x = torch.randn(12, 8, requires_grad=True)
+    y, aux = layer(x)
+    loss = y.sum() + aux
+    loss.backward(retain_graph=True)  # the outer graph survives; the region ran once, kept
+    loss.backward()  # second run frees the expert graphs
+    with pytest.raises(RuntimeError, match="retain_graph=True|backward through the graph"):
+        loss.backward()
+    y, aux = layer(x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
