@@ -31,7 +31,7 @@ from ..costmodel.hardware import preset
 from ..costmodel.model import A2A_MODELS, LayerShape
 from ..costmodel.prediction import predict, predict_config
 from ..costmodel.tune import explore
-from ..testbed.netns import parse_rate
+from ..testbed.units import parse_rate
 from ..topology import Topology, launcher_local_rank
 from ..trace import gantt
 from . import measure, steps

@@ -38,10 +38,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+
+from .units import parse_latency, parse_rate  # re-exported: the CLI and tools use them here
 
 __all__ = [
     "IFNAME",
@@ -71,9 +72,6 @@ STATE_FILE = "/run/schemoe/testbed.json"
 MTU = 65000
 ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts ETC/NS/hosts over /etc/hosts
 INTRA_LINKS = ("shared", "separate")
-
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 @dataclass(frozen=True)
@@ -122,28 +120,6 @@ class Testbed:
             f"{self.intra_rate_bps / 1e9:g} Gbit/s per rank link each way, shaping {what} "
             f"(intra_link={self.intra_link})"
         )
-
-
-def parse_rate(text: str, what: str = "rate") -> float:
-    """'400mbit' -> 4e8 bits/s. Units: bit, kbit, mbit, gbit, tbit (powers of 1000)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"{what} {text!r}: expected a positive number and one of {', '.join(_RATE_UNITS)} "
-            "(e.g. 400mbit; tc's 'bps' means bytes/s and is not accepted to avoid confusion)"
-        )
-    return float(m.group(1)) * _RATE_UNITS[unit]
-
-
-def parse_latency(text: str | None) -> float:
-    """'2ms' -> 0.002 s; None or '0' -> 0. Units: us, ms, s."""
-    if text is None or str(text).strip() in ("", "0"):
-        return 0.0
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*", str(text))
-    if not m:
-        raise ValueError(f"latency {text!r}: expected a number and us, ms or s (e.g. 2ms)")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
 
 
 def check_prerequisites() -> None:
