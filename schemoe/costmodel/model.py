@@ -242,8 +242,8 @@ class CostModel:
     """The costs of one layer on one cluster: a CostModel for policies and the simulator.
 
     `task_costs(graph)` gives every task of a forward or backward graph its duration; chunk
-    sizes follow scheduling/plan.py (capacity: C*(i+1)//r - C*i//r rows of every expert;
-    peers: whole experts for offsets [P i // r, P (i + 1) // r)).
+    sizes follow the chunk plan, `layout.build_plan` (capacity: C*(i+1)//r - C*i//r rows of
+    every expert; peers: whole experts for offsets [P i // r, P (i + 1) // r)).
     """
 
     hardware: Hardware
@@ -316,7 +316,7 @@ class CostModel:
             out[Task("C", 1, i)] = enc + (mv if gathered else 0.0)
             out[Task("D", 1, i)] = dec + (mv if permute else 0.0)
             # Backward: chunk 0's weight gradients are the GEMMs' output; each later chunk's
-            # are added into them (scheduling/autograd.py: read both, write one).
+            # are added into them (region.py: read both, write one).
             wgrad = weights * (0 if i == 0 else 3)
             out[Task("E", 0, i)] = expert_time(
                 hw, int(rows), M, sh.hidden_dim, sh.activation, backward, wgrad
