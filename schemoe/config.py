@@ -89,6 +89,10 @@ class GateConfig:
             f"top_k={self.top_k} must be <= num_experts={self.num_experts}",
         )
         _num("capacity_factor", self.capacity_factor, 0.0)
+        _need(
+            math.isfinite(self.capacity_factor),
+            f"capacity_factor must be finite (0 for dropless), got {self.capacity_factor}",
+        )
         _num("noise_std", self.noise_std, 0.0)
         _need(
             self.priority in PRIORITIES,
@@ -202,6 +206,12 @@ class CompressionConfig:
             _need(isinstance(v, str) and bool(v), f"compression.{n} must be a name, got {v!r}")
         if not isinstance(self.options, Mapping):
             raise TypeError(f"compression.options must be a mapping, got {self.options!r}")
+        for name, kwargs in self.options.items():
+            if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+                raise TypeError(
+                    f"compression.options[{name!r}] must map option names to values, e.g. "
+                    f'{{"zfp": {{"rate": 4}}}}, got {kwargs!r}'
+                )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -112,6 +112,7 @@ class ModuleExperts(nn.Module):
         self, factory: Callable[[int], nn.Module], num_local: int, first_expert: int = 0
     ) -> None:
         super().__init__()
+        self.first_expert = first_expert
         self.experts = nn.ModuleList(factory(first_expert + i) for i in range(num_local))
         for m in self.experts:
             if not isinstance(m, nn.Module):
@@ -122,4 +123,14 @@ class ModuleExperts(nn.Module):
         if len(counts) != len(self.experts):
             raise ValueError(f"counts has {len(counts)} entries for {len(self.experts)} experts")
         parts = torch.split(x_NM, list(counts))
-        return torch.cat([m(x) for m, x in zip(self.experts, parts)])
+        outs = []
+        for i, (m, x) in enumerate(zip(self.experts, parts)):
+            y = m(x)
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+                raise ValueError(
+                    f"expert {self.first_expert + i} ({type(m).__name__}) must map [n, M] -> "
+                    f"[n, M]: given {tuple(x.shape)}, it returned {got}"
+                )
+            outs.append(y)
+        return torch.cat(outs)

@@ -14,12 +14,14 @@ cost model.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import collectives, compression
 from .config import MoEConfig
@@ -40,6 +42,28 @@ NEEDS_TUNER = ("auto", "search")
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _topology(group, ranks_per_node: int | None) -> Topology:
+    """The layer's expert-parallel topology; refuses the two ways a launched job silently runs
+    one full copy of every expert per rank."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
+    if _distributed():
+        return Topology.from_group(group, ranks_per_node)
+    if group is not None:
+        raise ValueError("a group was given but torch.distributed is not initialised")
+    launched = os.environ.get("WORLD_SIZE", "1")  # read to detect a mistake, never to configure
+    if launched.isdigit() and int(launched) > 1:
+        raise RuntimeError(
+            f"this process was launched as one of WORLD_SIZE={launched} ranks, but "
+            "torch.distributed is not initialised: the layer would run every expert on every "
+            "rank, unshared. Call torch.distributed.init_process_group (or "
+            "schemoe.init_expert_parallel) before building MoE layers"
+        )
+    return Topology(world=1, rank=0, ranks_per_node=1)
 
 
 class MoELayer(nn.Module):
@@ -71,10 +95,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
         E, M = config.gate.num_experts, config.experts.model_dim
-        if _distributed():
-            self.topology = Topology.from_group(group, config.parallel.ranks_per_node)
-        else:
-            self.topology = Topology(world=1, rank=0, ranks_per_node=1)
+        self.topology = _topology(group, config.parallel.ranks_per_node)
         P, rank = self.topology.world, self.topology.rank
         if E % P:
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {P}")
@@ -85,6 +106,7 @@ class MoELayer(nn.Module):
             # whatever P. < 2**40 keeps seed * 1_000_003 + 3 e + 2 (experts.py) in int64.
             seed = int(torch.randint(0, 2**40, (), dtype=torch.int64))
         self._running: MoEConfig | None = None
+        self._ddp_checked: set[int] = set()
         # Low-priority transfers (a scheduled gradient sync's buckets) this layer's region posts
         # into its idle network time; set by whoever owns them (schemoe.gradsync.GradSync).
         self.background: Background | None = None
@@ -180,8 +202,33 @@ class MoELayer(nn.Module):
                 "yet: attach a tuner (schemoe.autotune.AutoTuner(model)) before the first call"
             )
 
+    def _check_ddp(self) -> None:
+        """Refuse a DistributedDataParallel that manages this layer's sharded experts: at its
+        construction it copied rank 0's experts over every rank's, and it would average the
+        gradients of different experts. Checked once per DDP wrapper (torch names the DDP
+        module running a forward through a classmethod it keeps for its compiler)."""
+        active = getattr(DDP, "_get_active_ddp_module", None)
+        ddp = active() if active is not None else None
+        if ddp is None or self.topology.world == 1 or id(ddp) in self._ddp_checked:
+            return
+        self._ddp_checked.add(id(ddp))
+        ours = {id(p) for p in self.experts.parameters()}
+        managed = [
+            n
+            for n, p in ddp.module.named_parameters()
+            if id(p) in ours and n not in ddp.parameters_to_ignore
+        ]
+        if managed:
+            raise RuntimeError(
+                f"DistributedDataParallel manages this MoE layer's expert parameters "
+                f"({managed[0]!r}, ...): it broadcast rank 0's experts over the others' and "
+                "would average different experts' gradients. Wrap the model as "
+                "DDP(schemoe.ddp_ignore_experts(model))"
+            )
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x)
+        self._check_ddp()
         cfg = self._running
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.

@@ -9,6 +9,7 @@ from torch import nn
 from moe_cases import check_against_reference
 from schemoe import (
     CollectiveConfig,
+    CompressionConfig,
     ExpertConfig,
     GateConfig,
     MoEConfig,
@@ -240,3 +241,77 @@ def test_a_second_backward_without_retain_graph_and_double_backward_raise_clear_
     y, aux = layer(x)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+# ---------------------------------------------------------------- values that fail deep in torch
+
+
+def test_an_infinite_capacity_factor_is_refused_and_a_huge_one_is_capped_at_the_tokens():
+    with pytest.raises(ValueError, match="capacity_factor must be finite"):
+        GateConfig(num_experts=4, capacity_factor=float("inf"))
+    torch.manual_seed(0)
+    x = torch.randn(10, 8)
+    huge, f1 = MoELayer(cfg(f=1e12)), MoELayer(cfg(f=2.0))  # f=2, k=2, E=4: C = T, no drop
+    f1.load_state_dict(huge.state_dict())
+    # 1e12 would have asked for 2.5e12 rows per expert; capped at T it drops nothing either
+    torch.testing.assert_close(huge(x)[0], f1(x)[0])
+
+
+def test_compressor_options_that_do_not_fit_name_the_compressor_and_its_options():
+    with pytest.raises(TypeError, match=r"compression.options\['int8'\] must map option names"):
+        CompressionConfig(forward="int8", options={"int8": 5})
+    bad = MoEConfig(
+        gate=GateConfig(num_experts=4),
+        experts=ExpertConfig(model_dim=8, hidden_dim=16),
+        compression=CompressionConfig(forward="fp16", options={"fp16": {"foo": 1}}),
+    )
+    with pytest.raises(ValueError, match=r"options \{'foo': 1\} do not fit compressor 'fp16'"):
+        MoELayer(bad)
+
+
+def test_a_group_that_is_not_a_process_group_is_a_type_error():
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        MoELayer(cfg(), group="world")
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        MoELayer(cfg(), group=torch.distributed.group.WORLD or _FakeGroup())
+
+
+class _FakeGroup(torch.distributed.ProcessGroup):
+    def __init__(self):
+        super().__init__(0, 1)
+
+
+def test_a_layer_built_in_a_launched_job_before_init_process_group_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=4 ranks, but torch.distributed is not"):
+        MoELayer(cfg())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    MoELayer(cfg())  # a one-rank launch is fine
+
+
+def test_a_user_expert_with_the_wrong_output_shape_is_named_with_both_shapes():
+    def factory(e):
+        return nn.Linear(8, 4) if e == 2 else nn.Linear(8, 8)
+
+    layer = MoELayer(cfg(f=0.0), expert_factory=factory)
+    with pytest.raises(ValueError, match=r"expert 2 \(Linear\) must map \[n, M\] -> \[n, M\]"):
+        layer(torch.randn(16, 8))
+
+
+def _ddp_with_experts(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("moe", MoELayer(cfg(E=4, k=2)))
+    try:
+        DDP(model)(torch.randn(6, 8))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ddp_that_manages_the_sharded_experts_is_refused_at_the_first_forward():
+    for msg in spawn(_ddp_with_experts, 2, timeout=90):
+        assert msg is not None and "DistributedDataParallel manages this MoE layer's" in msg
+        assert "moe.experts." in msg and "ddp_ignore_experts" in msg

@@ -50,6 +50,11 @@ CASES = {
     "unknown algorithm": (["--algorithm", "nope"], "unknown all-to-all algorithm 'nope'"),
     "unknown compressor": (["--compress-backward", "nope"], "unknown compressor 'nope'"),
     "bad compressor option": (["--compress-option", "zfp"], "NAME.KEY=VALUE, got 'zfp'"),
+    "option the compressor does not take": (
+        ["--compress", "zfp", "--compress-option", "zfp.mode=fixed"],
+        "options {'mode': 'fixed'} do not fit compressor 'zfp'",
+    ),
+    "capacity-factor inf": (["--capacity-factor", "inf"], "capacity_factor must be finite"),
     "seq-len longer than the corpus": (["--seq-len", "20000"], "--seq-len 20000 is too long"),
     "missing corpus": (["--corpus", "/nonexistent/x"], "corpus path '/nonexistent/x' does not"),
     "missing resume": (["--resume", "/nonexistent/x"], "'/nonexistent/x' holds no checkpoint"),

@@ -6,13 +6,18 @@ compressor "a/b" means forward a, backward b; plain "a" means both), and with `-
 DeepSpeed's `deepspeed.moe.layer.MoE` at the same E, k, f, M, H (gelu, no bias, no token noise).
 
 The lower bound and the all-to-all share come from two parts timed separately, interleaved with
-the candidates in the same run, for the first candidate's algorithm without compression:
+the candidates in the same run, for the first --algorithms entry without compression
+(bench/parts.py):
 - compute: the same layer on a one-rank group (every rank builds all E experts and routes its own
-  T tokens). Each rank then computes the same shapes as in the distributed step: E experts x C
-  rows, since E/P experts x P*C rows = E*C; its all-to-alls are local copies.
-- comm: the all-to-alls of one step alone: the counts exchange, then dispatch and combine forward
+  T tokens), one rank at a time while the others wait. Each rank computes the same shapes as in
+  the distributed step: E experts x C rows, since E/P experts x P*C rows = E*C; its all-to-alls
+  are local copies. `compute1_ms` is one rank's turn, `compute_ms` = compute1 x max(1, P / K)
+  for P ranks on K cores.
+- comm: the all-to-alls of one step alone: the counts exchange (dropless only: every rank routes
+  --tokens tokens, declared with ParallelConfig(uniform_tokens=True)), then dispatch and combine forward
   and their two gradients backward, each [E*C, M] (dropless: [k*T, M]) split evenly over ranks.
-lower_bound_ms = max(compute, comm); a2a_share = comm / the first candidate's step time.
+lower_bound_ms = max(compute_ms, comm_ms): no candidate's step can beat it beyond noise;
+a2a_share = comm / the first candidate's step time.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ..gating.router import capacity
 from ..layer import MoELayer
 from ..layout import Partition
 from ..scheduling import POLICIES
-from . import timer
+from . import parts, timer
 
 __all__ = ["add_arguments", "bench", "validate"]
 
@@ -111,7 +116,8 @@ def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp=
             capacity_factor=args.capacity_factor,
         ),
         experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=args.hidden),
-        parallel=c.ParallelConfig(ranks_per_node=rpn),
+        # Every rank routes --tokens tokens at every call: capacity mode needs no counts exchange.
+        parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=True),
         schedule=c.ScheduleConfig(policy=policy, chunks=r),
         collective=c.CollectiveConfig(algorithm=algo),
         compression=c.CompressionConfig(forward=fwd, backward=bwd or fwd),
@@ -152,9 +158,8 @@ def _step(module, x, g):
     return run
 
 
-def _comm_only(layer, args, world: int, dtype: torch.dtype):
-    """The step's all-to-alls alone, with the shapes and algorithm the layer uses."""
-    gate = layer.config.gate
+def _comm_only(gate: c.GateConfig, algo, args, world: int, dtype: torch.dtype):
+    """The step's all-to-alls alone, with the layer's shapes, on `algo`."""
     rows = (
         gate.num_experts * capacity(gate, args.tokens)
         if not gate.dropless
@@ -162,11 +167,11 @@ def _comm_only(layer, args, world: int, dtype: torch.dtype):
     )
     per = [rows // world + (d < rows % world) for d in range(world)]
     x = torch.randn(sum(per), args.model_dim, dtype=dtype)
-    counts = control_zeros(world * layer.num_local, dtype=torch.long)
-    algo = layer.algorithm
+    counts = control_zeros(gate.num_experts, dtype=torch.long)
 
     def run():
-        dist.all_to_all_single(torch.empty_like(counts), counts)
+        if gate.dropless:  # capacity mode with uniform tokens exchanges no counts
+            dist.all_to_all_single(torch.empty_like(counts), counts)
         for _ in range(4):  # dispatch, combine; then their gradients in backward
             algo.start(x, per, per).wait()
 
@@ -217,9 +222,10 @@ def _bench(args: argparse.Namespace, env) -> None:
                      "_n": peer})  # fmt: skip
     # The parts: one-rank groups (new_group is collective: every rank creates all of them).
     solo = [dist.new_group([q]) for q in range(world)][rank]
-    single = MoELayer(_config(args, 1, 1, algo=first.config.collective.algorithm), group=solo)
-    cands["parts:compute"] = _step(single.to(dtype), x, g)
-    cands["parts:comm"] = _comm_only(first, args, world, dtype)
+    single = MoELayer(_config(args, 1, 1, algo=args.algorithms[0]), group=solo).to(dtype)
+    cands["parts:compute1"] = parts.one_at_a_time(_step(single, x, g), rank, world)
+    algo = parts.algorithm(args.algorithms[0], env.ranks_per_node)
+    cands["parts:comm"] = _comm_only(first.config.gate, algo, args, world, dtype)
     tuners = {
         name: AutoTuner(layer, profile_path=args.profile)
         for name, layer in layers.items()
@@ -246,21 +252,28 @@ def _bench(args: argparse.Namespace, env) -> None:
             row["predicted_ms"] = predict_ms(
                 layers[name].running, args.tokens, shape, rate_bps=rate, path=args.profile
             )
-    compute, comm = stats["parts:compute"].median_ms, stats["parts:comm"].median_ms
-    parts = [{"policy": "parts", "algorithm": "compute only", "compressor": "-", "chunks": "-",
-              **stats["parts:compute"].row()},
-             {"policy": "parts", "algorithm": "all-to-all only", "compressor": "-", "chunks": "-",
-              **stats["parts:comm"].row()}]  # fmt: skip
+    host_ranks = parts.host_ranks(env, world)
+    compute1, compute = parts.compute_bound(stats["parts:compute1"].median_ms, world, host_ranks)
+    comm = stats["parts:comm"].median_ms
+    part_rows = [{"policy": "parts", "algorithm": "compute bound", "compressor": "-",
+                  "chunks": "-", "median_ms": compute},
+                 {"policy": "parts", "algorithm": "all-to-all only", "compressor": "-",
+                  "chunks": "-", **stats["parts:comm"].row()}]  # fmt: skip
     config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden", "top_k", "dtype")}
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
     trials = [row for tuner in tuners.values() for row in tuner.report]
     head += [f"# auto trial: {t}" for t in trials]
+    head.append(
+        f"# parts: compute1 {compute1:.1f} ms (one rank alone), compute bound {compute:.1f} ms "
+        f"({host_ranks} ranks on {parts.host_cores()} cores); all-to-alls {comm:.1f} ms"
+    )
     summary = {
         "results": rows,
         "lower_bound_ms": max(compute, comm),
         "a2a_share": comm / rows[0]["median_ms"],
+        "compute1_ms": compute1,
         "compute_ms": compute,
         "comm_ms": comm,
         "link_rate_gbps": env.link_rate_gbps,
@@ -269,4 +282,4 @@ def _bench(args: argparse.Namespace, env) -> None:
         "auto_trials": trials,
     }
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
-    timer.report(head, rows + parts, cols, summary)
+    timer.report(head, rows + part_rows, cols, summary)

@@ -9,11 +9,10 @@ under DDP (its experts left out of DDP, as DeepSpeed's own engine does).
 The step's parts, timed in the same run, interleaved with the candidates:
 - compute: one rank at a time runs the same per-rank work with no network (the model on one-rank
   groups: all E experts, its own tokens, i.e. the rows a rank computes in the distributed step;
-  no DDP) while the others wait: `compute1_ms`, a full core's time. With P ranks on K cores a
-  step needs at least compute1 x max(1, P / K) (the P ranks' work cannot run faster than K
-  cores, nor one rank's faster than one core); `compute_ms` is that bound;
+  no DDP) while the others wait: `compute1_ms`; `compute_ms` = compute1 x max(1, P / K) for P
+  ranks on K cores, a bound on the step's compute (bench/parts.py says why);
 - network: the step's collectives alone, back to back, with their real sizes: per MoE layer four
-  all-to-alls of its dispatch buffer (the first candidate's algorithm; every rank routes the same
+  all-to-alls of its dispatch buffer (--algorithm; every rank routes the same
   tokens, declared as `schemoe train` does, so no counts are exchanged),
   then the dense gradients' all-reduce (fp32, or bf16/fp16 for the rows that compress them),
   and the loss all-reduce: `network_ms` per gradient dtype.
@@ -43,7 +42,7 @@ from ..gradsync import COMPRESS, SYNCS, data_parallel
 from ..lm import GPT, GPTConfig
 from ..parallel import clip_grad_norm_, ddp_ignore_experts, dense_parameters
 from ..scheduling import POLICIES
-from . import timer
+from . import parts, timer
 from .layer import _deepspeed
 
 __all__ = ["add_arguments", "bench", "validate"]
@@ -224,18 +223,6 @@ def _trace(folder: str, steps: dict, cores: dict) -> None:
             h.remove()
 
 
-def _one_at_a_time(fn, rank: int, world: int):
-    """Each rank runs `fn` alone in turn while the others wait; returns this rank's turn."""
-
-    def run() -> None:
-        for turn in range(world):
-            if turn == rank:
-                fn()
-            dist.barrier()
-
-    return run
-
-
 def bench(args: argparse.Namespace, env) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     rpn = env.ranks_per_node
@@ -277,8 +264,8 @@ def bench(args: argparse.Namespace, env) -> None:
     solo = [dist.new_group([q]) for q in range(world)][rank]
     single = _gpt(args, _moe_config(args, 1), group=solo)
     compute = _step(single, single, _optimizer(single), tokens, targets, 1, group=solo)
-    cands["parts:compute1"] = _one_at_a_time(compute, rank, world)
-    algo = next(b.ffn for b in first.blocks if b.moe).algorithm
+    cands["parts:compute1"] = parts.one_at_a_time(compute, rank, world)
+    algo = parts.algorithm(args.algorithm, rpn)  # what a tuned (auto) first row has no name for
     for comp in dict.fromkeys(args.grad_compress):
         dtype = COMPRESS[comp] or torch.float32
         cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
@@ -286,10 +273,8 @@ def bench(args: argparse.Namespace, env) -> None:
     if args.trace:
         _trace(args.trace, {n: cands[n] for n in cores}, cores)
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    host_ranks = world if env.testbed or not env.launched else rpn  # ranks sharing this host
-    compute1 = stats["parts:compute1"].median_ms / world  # one rank's turn
-    compute_ms = compute1 * max(1.0, host_ranks / cores)
+    host_ranks = parts.host_ranks(env, world)
+    compute1, compute_ms = parts.compute_bound(stats["parts:compute1"].median_ms, world, host_ranks)
     for row in rows:
         name = row.pop("_n")
         row.update(stats[name].row())
@@ -310,7 +295,7 @@ def bench(args: argparse.Namespace, env) -> None:
     nets = {k.split(":")[-1]: v.median_ms for k, v in stats.items() if k.startswith("parts:net")}
     head.append(
         f"# parts: compute1 {compute1:.1f} ms (one rank alone), compute bound {compute_ms:.1f} ms "
-        f"({host_ranks} ranks on {cores} cores); network "
+        f"({host_ranks} ranks on {parts.host_cores()} cores); network "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in nets.items())
     )
     summary = {

@@ -4,6 +4,7 @@ Built-ins: `none` (identity), `fp16`, `bf16` (casts), `fp8` (e4m3, per-row scale
 (per-row min-max), `zfp` (fixed-rate ZFP; needs `pip install 'schemoe[zfp]'`).
 """
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,5 +32,19 @@ def build(name: str, options: Mapping[str, Mapping[str, Any]] | None = None) -> 
     """A compressor instance by name; `options` maps compressor names to keyword arguments,
     e.g. build("zfp", {"zfp": {"rate": 4}}). Unknown names raise ValueError listing the known."""
     cls = COMPRESSORS.get(name)
-    kwargs = dict((options or {}).get(name, {}))
+    kwargs = (options or {}).get(name, {})
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"options for compressor {name!r} must be a mapping, got {kwargs!r}")
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError:
+        raise ValueError(
+            f"options {dict(kwargs)!r} do not fit compressor {name!r}, whose options are "
+            f"{_describe(cls)}"
+        ) from None
     return cls(**kwargs)
+
+
+def _describe(cls) -> str:
+    params = [str(p) for p in inspect.signature(cls).parameters.values()]
+    return "(" + ", ".join(params) + ")" if params else "none"

@@ -39,8 +39,9 @@ class Routing:
 
 
 def capacity(cfg: GateConfig, tokens: int) -> int:
-    """C = ceil(f * k * T / E) (GShard); 0 tokens give C = 0."""
-    return math.ceil(cfg.capacity_factor * cfg.top_k * tokens / cfg.num_experts)
+    """C = min(ceil(f * k * T / E), T) (GShard): an expert takes each token at most once, so
+    more than T rows could never fill; 0 tokens give C = 0."""
+    return min(math.ceil(cfg.capacity_factor * cfg.top_k * tokens / cfg.num_experts), tokens)
 
 
 def route(
