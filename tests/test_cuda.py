@@ -31,6 +31,7 @@ from schemoe import (
     devices,
 )
 from schemoe._dist import spawn
+from schemoe.experts import BatchedFFN
 
 pytestmark = [
     pytest.mark.cuda,
@@ -160,3 +161,19 @@ def _trace_overlap(rank, world):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 def test_all_to_all_kernels_overlap_expert_kernels_in_a_cuda_event_trace():
     assert any(spawn(_trace_overlap, 2, backend="nccl", timeout=300.0))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_the_gpus_one_bmm_path_gives_the_cpus_per_expert_gemms(activation):
+    cfg = ExpertConfig(model_dim=16, hidden_dim=32, activation=activation, bias=True)
+    cpu = BatchedFFN(cfg, num_local=3, first_expert=0, seed=5)
+    gpu = BatchedFFN(cfg, num_local=3, first_expert=0, seed=5).cuda()
+    x = torch.randn(3 * 7, 16)
+    xg = x.cuda().requires_grad_(True)
+    x.requires_grad_(True)
+    y, yg = cpu(x, [7, 7, 7]), gpu(xg, [7, 7, 7])  # equal counts: bmm on the GPU only
+    torch.testing.assert_close(yg.cpu(), y, rtol=1e-4, atol=1e-5)
+    y.sum().backward()
+    yg.sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gpu.w1_EMH.grad.cpu(), cpu.w1_EMH.grad, rtol=1e-4, atol=1e-4)

@@ -218,3 +218,89 @@ def test_a_subgroup_whose_timeout_cannot_be_read_takes_the_default_groups_or_say
     from_default, neither, warned = spawn(_subgroup_timeouts, 1, timeout=7.0)[0]
     assert from_default == datetime.timedelta(seconds=7)  # before: None, i.e. 30 minutes
     assert neither is None and any("30 minutes" in w for w in warned), warned
+
+
+# ---------------------------------------------------------------- a rank dies mid-transfer
+
+DYING = 3  # of 4 ranks, 2 per node: the last rank of the second node
+
+
+def _transfer(what: str, topo):
+    """A `start(x) -> Pending` for every all-to-all algorithm and gradient-sync algorithm."""
+    from schemoe import collectives
+    from schemoe.gradsync import GRAD_SYNCS
+
+    if what.startswith("grad:"):
+        sync = GRAD_SYNCS.get(what[5:])(topo)
+        return lambda x: sync.start(x)
+    algo = collectives.build(what, topo)
+    P = topo.world
+    return lambda x: algo.start(x, [x.shape[0] // P] * P, [x.shape[0] // P] * P)
+
+
+def _die_mid_transfer(rank: int, port: int, what: str, results) -> None:
+    from schemoe._dist import set_launcher_env
+    from schemoe.topology import Topology
+
+    set_launcher_env(rank, 4, port)
+    torch.set_num_threads(1)
+    try:
+        init_process_group("gloo", TIMEOUT)
+        start = _transfer(what, Topology.from_group(None, 2))
+        start(torch.ones(64, 8)).wait()  # connections and sub-groups up, every rank alive
+        big = torch.ones(4 * 2**18, 16)  # 64 MiB per rank: many ms on loopback
+        t0 = time.monotonic()
+        pending = start(big)
+        if rank == DYING:
+            time.sleep(0.01)  # the transfer is under way
+            os._exit(3)
+        pending.wait()
+        results.put((rank, "completed", "", time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        peer = failures.is_peer_failure(e)
+        results.put((rank, "peer failure" if peer else type(e).__name__, str(e)[:300],
+                     time.monotonic() - t0))  # fmt: skip
+
+
+def _survivors(what: str) -> dict:
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [
+        ctx.Process(target=_die_mid_transfer, args=(r, port, what, results), daemon=True)
+        for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        deadline = time.monotonic() + 60 + 3 * TIMEOUT
+        while len(out) < 3:
+            rank, kind, msg, after = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[rank] = (kind, msg, after)
+    except queue.Empty:
+        pytest.fail(f"survivors {sorted(set(range(3)) - set(out))} did not report ({what})")
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    return out
+
+
+WHATS = ["naive", "pairwise", "pipe", "hier2d", "leader", "grad:flat", "grad:hier"]
+
+
+def test_every_transfer_kind_is_under_test():
+    from schemoe.collectives import ALGORITHMS
+    from schemoe.gradsync import GRAD_SYNCS
+
+    assert set(WHATS) == set(ALGORITHMS.names()) | {f"grad:{n}" for n in GRAD_SYNCS.names()}
+
+
+@pytest.mark.parametrize("what", WHATS)
+def test_a_rank_dying_mid_transfer_makes_every_survivor_raise_within_the_timeout(what):
+    out = _survivors(what)
+    for rank, (kind, msg, after) in out.items():
+        # Ranks that exchange with the dead one see their sockets close at once; the others
+        # (hierarchical phases) wait on a survivor that failed, and fail when it exits.
+        assert kind == "peer failure", (rank, kind, msg)
+        assert after < 2 * TIMEOUT + 3, (rank, after, msg)
