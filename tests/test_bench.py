@@ -89,7 +89,7 @@ def test_bench_a2a_rejects_an_unknown_algorithm_before_starting_ranks(capfd):
 
 def test_bench_layer_reports_each_candidate_and_the_parts_it_bounds_the_step_by(capfd):
     args = _parse(["bench", "layer", "--nproc", "2", "--tokens", "64", "--model-dim", "32",
-                   "--hidden", "64", "--chunks", "1,2", "--warmup", "1", "--repeats", "2",
+                   "--hidden-dim", "64", "--chunks", "1,2", "--warmup", "1", "--repeats", "2",
                    "--timeout", "60"])  # fmt: skip
     assert args.func(args) == 0
     out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
@@ -102,9 +102,9 @@ def test_bench_layer_reports_each_candidate_and_the_parts_it_bounds_the_step_by(
 
 
 def test_bench_step_times_each_grad_sync_row_and_states_its_parts(capfd):
-    args = _parse(["bench", "step", "--nproc", "2", "--dim", "32", "--hidden", "64",
+    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
                    "--layers", "2", "--seq-len", "16", "--batch", "2", "--heads", "2",
-                   "--grad-sync", "ddp,scheduled", "--grad-compress", "none,bf16",
+                   "--grad-syncs", "ddp,scheduled", "--grad-compressors", "none,bf16",
                    "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
     assert args.func(args) == 0
     lines = capfd.readouterr().out.strip().splitlines()

@@ -3,7 +3,7 @@
     schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit] [--path FILE]
     schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile --link-rate 400mbit
     schemoe simulate --preset paper-32gpu --layers 12 --tokens 4096 --model-dim 2048 \\
-        --hidden 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
+        --hidden-dim 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
     schemoe validate BENCH.txt=PROFILE.json ... [--png sim_vs_measured.png]
 
 All three end with one JSON line. simulate's: {"preset", "results": [{"policy", "algorithm",
@@ -362,9 +362,9 @@ def register(subparsers) -> None:
     p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. 1gbit")
     p.add_argument("--path", default=None, help="cache file (default ~/.cache/schemoe/...)")
     p.add_argument("--model-dim", type=int, default=512, help="the layer shape to fit at")
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--hidden-dim", dest="hidden", type=int, default=1024, help="expert hidden dim")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--experts", type=int, default=0, help="default: 2 per rank")
+    p.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available()
                    else "cpu", help="cuda: NCCL, one GPU per rank, CUDA-event timing")  # fmt: skip
@@ -380,7 +380,7 @@ def register(subparsers) -> None:
     s.add_argument("--tokens", type=int, required=True, help="tokens per rank (B x L)")
     s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
     s.add_argument("--model-dim", type=int, required=True)
-    s.add_argument("--hidden", type=int, required=True)
+    s.add_argument("--hidden-dim", dest="hidden", type=int, required=True, help="expert hidden dim")
     s.add_argument("--experts", type=int, default=None, help="default: one per rank")
     s.add_argument("--top-k", type=int, default=2)
     s.add_argument("--capacity-factor", type=float, default=1.0)
