@@ -20,11 +20,10 @@ COMMANDS = [
     "schemoe.profiler.cli",
 ]
 
-DESCRIPTION = (
-    "Mixture-of-Experts training with expert parallelism on torch.distributed: train a model, "
-    "export checkpoints, benchmark layers and steps, fit and query the cost model, and emulate "
-    "a multi-node cluster. `schemoe COMMAND --help` lists each command's flags and defaults."
-)
+DESCRIPTION = """\
+Mixture-of-Experts training with expert parallelism on torch.distributed: train a model,
+export checkpoints, benchmark layers and steps, fit and query the cost model, and emulate a
+multi-node cluster. `schemoe COMMAND --help` lists each command's flags and defaults."""
 
 
 def build_parser() -> Parser:
