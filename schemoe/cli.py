@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-__all__ = ["main"]
+from . import __version__
+from ._cli_util import Parser
+
+__all__ = ["build_parser", "main"]
 
 # Modules that add sub-commands, in help order.
 COMMANDS = [
@@ -18,10 +20,16 @@ COMMANDS = [
     "schemoe.profiler.cli",
 ]
 
+DESCRIPTION = """\
+Mixture-of-Experts training with expert parallelism on torch.distributed: train a model,
+export checkpoints, benchmark layers and steps, fit and query the cost model, and emulate a
+multi-node cluster. `schemoe COMMAND --help` lists each command's flags and defaults."""
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="schemoe", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+
+def build_parser() -> Parser:
+    parser = Parser(prog="schemoe", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"schemoe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in COMMANDS:
         importlib.import_module(mod).register(sub)
     return parser

@@ -153,10 +153,17 @@ class ScheduleConfig:
     "fp16" (none/fp16/bf16) or "lossy" (every compressor). With trials > 0 the model shortlists
     the `shortlist` most promising configurations and the layer's first shortlist x (trials + 1)
     calls run them in turn, timed; the fastest measured one is kept. trials=0: the model's first
-    choice, unmeasured. policy="search" takes its cost model from the same tuner."""
+    choice, unmeasured. policy="search" takes its cost model from the same tuner.
 
-    policy: str = "sequential"
-    chunks: int = 1
+    The default, policy="schemoe" with chunks=2, is what `schemoe train` runs: it overlaps each
+    chunk's all-to-alls with the other chunk's experts in forward and backward (the ordering of
+    Theorem 1 of the ScheMoE paper) at the cost of one extra, smaller GEMM per expert, and
+    computes the same result as policy="sequential", chunks=1 (no overlap, the GShard/DeepSpeed
+    order; the reference the tests compare every policy against). On one process there is no
+    transfer to hide and sequential r=1 is slightly cheaper."""
+
+    policy: str = "schemoe"
+    chunks: int = 2
     accuracy_budget: str = "lossless"
     trials: int = 5
     shortlist: int = 4

@@ -66,6 +66,11 @@ def _topology(group, ranks_per_node: int | None) -> Topology:
     return Topology(world=1, rank=0, ranks_per_node=1)
 
 
+def _record_expert_slice(module: MoELayer, state_dict, prefix, local_metadata) -> None:
+    sl = module.expert_slice()
+    local_metadata["schemoe_experts"] = [sl.start, module.num_local, module.config.gate.num_experts]
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts FFN layer with expert parallelism over `group`.
 
@@ -126,6 +131,13 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
             self.expert_load = None
+        # Per-expert choices and kept choices since take_routing_stats (training calls, when on).
+        self.record_routing = False
+        self._routing_counts: torch.Tensor | None = None
+        # state_dict() holds this rank's experts only, under the layer's names: record which
+        # slice, so loading it into another expert layout raises instead of mixing experts up.
+        self._register_state_dict_hook(_record_expert_slice)
+        self._register_load_state_dict_pre_hook(self._check_expert_slice)
 
     # ---------------------------------------------------------------- configuration
     def configure(self, config: MoEConfig, costs: Any = None) -> None:
@@ -247,6 +259,8 @@ class MoELayer(nn.Module):
                 self.expert_load += torch.bincount(
                     routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
                 ).float()
+        if self.record_routing and self.training:
+            self._tally(routing, cfg.gate.num_experts)
         # 2. Tokens into the expert-major buffer; splits and the chunk plan.
         rows_NM, meta = self.dispatcher.dispatch(x_TM, routing, dropless=cfg.gate.dropless)
         # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
@@ -265,7 +279,42 @@ class MoELayer(nn.Module):
         y_TM = self.dispatcher.combine(out_NM, meta)
         return y_TM.view(x.shape), aux
 
+    # ---------------------------------------------------------------- routing statistics
+    @torch.no_grad()
+    def _tally(self, routing, E: int) -> None:
+        chosen_E = torch.bincount(routing.expert_TK.reshape(-1), minlength=E)
+        kept = (routing.slot_TK >= 0).sum().reshape(1)
+        counts = torch.cat([chosen_E, kept]).double()
+        prev = self._routing_counts
+        self._routing_counts = counts if prev is None else prev + counts
+
+    def take_routing_stats(self) -> dict[str, Any] | None:
+        """This rank's routing since the last call (training calls while `record_routing` is
+        True), then reset: {"load": [E] fraction of the top-k choices per expert, "dropped":
+        fraction of choices past capacity}. No collective; a host sync. None if no calls."""
+        counts, self._routing_counts = self._routing_counts, None
+        if counts is None:
+            return None
+        chosen = counts[:-1].tolist()
+        total = sum(chosen)
+        return {
+            "load": [c / total if total else 0.0 for c in chosen],
+            "dropped": 1.0 - float(counts[-1]) / total if total else 0.0,
+        }
+
     # ---------------------------------------------------------------- state
+    def _check_expert_slice(self, state_dict, prefix, local_metadata, *_) -> None:
+        got = local_metadata.get("schemoe_experts")
+        want = [self.expert_slice().start, self.num_local, self.config.gate.num_experts]
+        if got is not None and list(got) != want:
+            first, n, E = got
+            raise ValueError(
+                f"{prefix or 'MoELayer'}: this state_dict holds experts {first}..{first + n - 1} "
+                f"of {E} (one rank's shard), this layer holds {want[0]}..{want[0] + want[1] - 1} "
+                f"of {want[2]}; save and load with schemoe.checkpoint (it reshards), or "
+                "load_global_state(global_state())"
+            )
+
     @torch.no_grad()
     def update_expert_bias(self) -> None:
         """Aux-loss-free balancing step: nudge the selection bias using the load seen since the

@@ -15,12 +15,20 @@ gradients the mean-loss gradients DDP gives the dense weights, whatever ep x dp.
 
 Devices: `--device cuda` (the default when CUDA is available) places the model and data on
 cuda:LOCAL_RANK and uses NCCL; `--device cpu` uses gloo. `--dtype bf16` runs forward and loss
-under torch.autocast (weights and optimizer state stay fp32).
+under torch.autocast (weights, gradients and optimizer state stay fp32).
+
+`--grad-accum N` takes one optimizer step per N micro-batches of --batch sequences (each
+micro-batch's loss scaled by 1/N; DDP all-reduces on the last, `no_sync` on the others), so it
+trains as --batch N*b would, up to capacity (C is per call) and the aux loss (per call).
+`--log-file F` writes one JSON object per step (rank 0): loss, lr, grad norm, tokens/s, the step's
+parts in ms and per MoE layer rank 0's expert load and dropped fraction (no extra collective);
+`--tensorboard DIR` writes the same scalars.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -49,10 +57,13 @@ from .parallel import (
 from .topology import launcher_local_rank
 from .train_args import (
     add_arguments,
+    apply_resume,
     check_args,
     check_corpus,
     check_paths,
     moe_config_from_args,
+    nothing_to_do,
+    num_experts,
     parse_args,
     validate,
 )
@@ -110,6 +121,44 @@ class _Progress:
             print(flush=True)
 
 
+class _Metrics:
+    """Rank 0's per-step metrics: a JSONL file (--log-file) and TensorBoard scalars
+    (--tensorboard). Routing statistics are rank 0's own tokens (no collective)."""
+
+    def __init__(self, a: argparse.Namespace, moe: list[MoELayer]) -> None:
+        self.moe = moe if (a.log_file or a.tensorboard) else []
+        for m in self.moe:
+            m.record_routing = True
+        self.file = open(a.log_file, "w", encoding="utf-8") if a.log_file else None  # noqa: SIM115
+        self.tb = None
+        if a.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional: checked up front
+
+            self.tb = SummaryWriter(a.tensorboard)
+
+    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict):
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+               "step_ms": parts, "moe": [m.take_routing_stats() for m in self.moe]}  # fmt: skip
+        if self.file:
+            self.file.write(json.dumps(_finite_or_none(row)) + "\n")
+            self.file.flush()
+        if self.tb:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{k}", row[k], step)
+            for k, v in parts.items():
+                self.tb.add_scalar(f"step_ms/{k}", v, step)
+            for i, r in enumerate(row["moe"]):
+                if r:
+                    self.tb.add_scalar(f"moe{i}/dropped", r["dropped"], step)
+                    self.tb.add_scalar(f"moe{i}/max_load", max(r["load"]), step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
 def _plot(losses: list[float], evals: list[list[float]], path: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
@@ -144,7 +193,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     train_data, eval_data = data[:split], data[split:]
     core = GPT(
         GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every),
-        moe_config_from_args(a),
+        moe_config_from_args(a, world),
         group=ep.ep_group,
         seed=a.seed,
     ).to(dev)
@@ -154,7 +203,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         model, _ = data_parallel(
             ddp_ignore_experts(core),
             sync=a.grad_sync,
-            compress=a.grad_compress,
+            compress=a.grad_compressor,
             algorithm=a.grad_algorithm,
             bucket_mb=a.bucket_mb if a.bucket_mb else (25.0 if a.grad_sync == "ddp" else 1.0),
             ranks_per_node=a.ranks_per_node,
@@ -163,6 +212,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     opt = _optimizer(core, a)
     g = torch.Generator().manual_seed(a.seed * 7919 + rank)
     moe = [m for m in core.modules() if isinstance(m, MoELayer)]
+    metrics = _Metrics(a, moe) if rank == 0 else None
     AutoTuner(core)  # resolves layers with policy "auto" / "search" on their first calls
     windows = eval_windows(eval_data, a.eval_seqs, a.seq_len, rank, world)
     losses, evals, start = [], [], 0
@@ -179,11 +229,12 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     last = min(a.steps, a.stop_after) if a.stop_after else a.steps
     checker = failures.FiniteChecker(core) if a.check_finite else None
     bar = _Progress(last, rank == 0)
-    tok = a.batch * a.seq_len * world
+    tok = a.batch * a.seq_len * world * a.grad_accum  # per optimizer step
     parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     times: list[float] = []
     where = [start, "setup"]
-    args = {k: v for k, v in vars(a).items() if k not in ("func", "command")}  # JSON-able
+    args = {k: v for k, v in vars(a).items() if k not in ("func", "command", "explicit")}
+    args["experts"] = num_experts(a, world)  # resolved: a resume on other ranks keeps E
 
     def save(step: int) -> None:
         where[1] = "save"
@@ -208,15 +259,31 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(step, a)
-            x, y = (t.to(dev, non_blocking=True) for t in batch(train_data, a.batch, a.seq_len, g))
+            opt.zero_grad(set_to_none=True)
             if checker:
                 checker.step = step
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
-                logits, aux = model(x)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            if checker:
-                checker.check_loss(loss)
-            stat = loss.detach().clone()
+            fwd = bwd = 0.0
+            stat = torch.zeros((), device=dev)
+            for micro in range(a.grad_accum):
+                # DDP all-reduces the dense gradients on the last micro-batch only.
+                last_micro = micro == a.grad_accum - 1
+                sync = contextlib.nullcontext() if world == 1 or last_micro else model.no_sync()
+                with sync:
+                    ta = time.perf_counter()
+                    where[1] = "forward"
+                    xy = batch(train_data, a.batch, a.seq_len, g)
+                    x, y = (t.to(dev, non_blocking=True) for t in xy)
+                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+                        logits, aux = model(x)
+                        flat = logits.float().reshape(-1, logits.shape[-1])
+                        loss = F.cross_entropy(flat, y.reshape(-1))
+                    if checker:
+                        checker.check_loss(loss)
+                    stat += loss.detach() / a.grad_accum
+                    tb = time.perf_counter()
+                    where[1] = "backward"
+                    ((loss + aux) / a.grad_accum).backward()
+                    fwd, bwd = fwd + tb - ta, bwd + time.perf_counter() - tb
             if world > 1:
                 dist.all_reduce(stat)
                 stat /= world
@@ -228,11 +295,9 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
                     "--clip, resume from the last checkpoint, or rerun with --check-finite "
                     "to name the module where it starts"
                 )
-            t1 = time.perf_counter()
-            where[1] = "backward"
-            opt.zero_grad(set_to_none=True)
-            (loss + aux).backward()
-            t2 = time.perf_counter()
+            t1 = t0 + fwd
+            t2 = t1 + bwd
+            t2_wall = time.perf_counter()
             where[1] = "optimizer"
             average_expert_gradients(core, ep)  # the mean-loss gradient, as DDP's dense ones
             if checker:
@@ -242,10 +307,13 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             for m in moe:
                 if m.expert_bias is not None:
                     m.update_expert_bias()
-            t3 = time.perf_counter()
-            times.append(t3 - t0)
+            t3 = t2 + time.perf_counter() - t2_wall
+            times.append(time.perf_counter() - t0)
             for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
                 parts[k].append(v)
+            if metrics:
+                metrics.write(step, losses[-1], lr_at(step, a), float(gnorm), tok / times[-1],
+                              {k: round(1e3 * v[-1], 3) for k, v in parts.items()})  # fmt: skip
             if rank == 0 and (step == start + 1 or step % a.log_every == 0 or step == last):
                 bar.print(
                     f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step, a):.2e}  "
@@ -263,9 +331,13 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             eval_now(last)
         if a.save and times:
             save(last)
+            if rank == 0:
+                print(f"checkpoint: {a.save} (step {last})", flush=True)
         if a.export:
             where[1] = "export"
             checkpoint.export_model(core, a.export, step=last, meta={"args": args})
+            if rank == 0:
+                print(f"exported: {a.export}", flush=True)
     except BaseException as e:
         failures.abort()  # the peers fail now, not at their timeout
         if failures.is_peer_failure(e) and not isinstance(e, failures.PeerFailure):
@@ -274,6 +346,8 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     finally:
         if checker:
             checker.close()
+        if metrics:
+            metrics.close()
     timed = times[1:] or times  # the first step pays one-time setup
     mean = {k: sum(v[1:] or v) / max(1, len(v[1:] or v)) for k, v in parts.items()}
     result = {
@@ -287,7 +361,8 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "dp_size": ep.dp_size,
         "device": dev.type,
         "dtype": a.dtype,
-        **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compress")},
+        "grad_accum": a.grad_accum,
+        **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compressor")},
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,
@@ -296,6 +371,11 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     if rank == 0:
         if a.plot:
             _plot(losses, evals, a.plot)
+            print(f"plot: {a.plot}", flush=True)
+        if a.log_file:
+            print(f"metrics: {a.log_file}", flush=True)
+        if a.tensorboard:
+            print(f"tensorboard: {a.tensorboard}", flush=True)
         print(json.dumps(_finite_or_none(result), allow_nan=False), flush=True)
     return result
 
@@ -313,8 +393,14 @@ def _finite_or_none(v):
 
 def _main(a: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun / srun
+    apply_resume(a)  # the saved run's arguments, where this command line gives none
     # Every argument is checked before a rank starts (under torchrun: before the group forms).
     validate(a, None if torchrun else a.nproc)
+    if (line := nothing_to_do(a)) is not None:
+        # Exit 0: the run asked for is complete (a requeued job that resumes is done, not failed).
+        if not torchrun or os.environ.get("RANK") == "0":
+            print(f"schemoe train: {line}", flush=True)
+        return 0
     if torchrun:
         torch.set_num_threads(a.threads)
         if a.device == "cuda":

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, compression
+from ._cli_util import Parser
 from .collectives import ALGORITHMS
 from .config import (
     CollectiveConfig,
@@ -35,10 +36,12 @@ from .scheduling import POLICIES
 
 __all__ = [
     "add_arguments",
+    "apply_resume",
     "check_args",
     "check_corpus",
     "check_paths",
     "moe_config_from_args",
+    "num_experts",
     "parse_args",
     "validate",
 ]
@@ -53,7 +56,7 @@ def _options(items: list[str]) -> dict[str, dict]:
         name, _, rest = it.partition(".")
         key, eq, val = rest.partition("=")
         if not (name and key and eq):
-            raise ValueError(f"--compress-option must look like NAME.KEY=VALUE, got {it!r}")
+            raise ValueError(f"--compressor-option must look like NAME.KEY=VALUE, got {it!r}")
         try:
             val = json.loads(val)
         except json.JSONDecodeError:
@@ -62,11 +65,20 @@ def _options(items: list[str]) -> dict[str, dict]:
     return out
 
 
-def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
-    """Every MoEConfig field, from the command line."""
+def num_experts(a: argparse.Namespace, world: int | None) -> int:
+    """--experts, or by default 2 per expert-parallel rank (--ep-size, else every rank; 2 per
+    rank when the rank count is not known yet)."""
+    if a.experts is not None:
+        return a.experts
+    return 2 * (a.ep_size or world or 1)
+
+
+def moe_config_from_args(a: argparse.Namespace, world: int | None = None) -> MoEConfig:
+    """Every MoEConfig field, from the command line (`world`: the rank count, for the default
+    expert count)."""
     return MoEConfig(
         gate=GateConfig(
-            num_experts=a.experts,
+            num_experts=num_experts(a, world),
             top_k=a.top_k,
             capacity_factor=a.capacity_factor,
             renormalize=a.renormalize,
@@ -77,7 +89,10 @@ def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
             bias_update_rate=a.bias_update_rate,
         ),
         experts=ExpertConfig(
-            model_dim=a.dim, hidden_dim=a.hidden, activation=a.activation, bias=a.expert_bias
+            model_dim=a.model_dim,
+            hidden_dim=a.hidden_dim,
+            activation=a.activation,
+            bias=a.expert_bias,
         ),
         parallel=ParallelConfig(ranks_per_node=a.ranks_per_node, uniform_tokens=a.uniform_tokens),
         schedule=ScheduleConfig(
@@ -89,7 +104,9 @@ def moe_config_from_args(a: argparse.Namespace) -> MoEConfig:
         ),
         collective=CollectiveConfig(algorithm=a.algorithm),
         compression=CompressionConfig(
-            forward=a.compress, backward=a.compress_backward, options=_options(a.compress_option)
+            forward=a.compressor,
+            backward=a.compressor_backward,
+            options=_options(a.compressor_option),
         ),
     )
 
@@ -105,6 +122,7 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
         ("nproc", 1),
         ("steps", 1),
         ("batch", 1),
+        ("grad_accum", 1),
         ("seq_len", 1),
         ("layers", 1),
         ("heads", 1),
@@ -133,21 +151,21 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
             where = f"> {lo:g}" if strict else f">= {lo:g}"
             where += f" and <= {hi:g}" if math.isfinite(hi) else " and finite"
             raise ValueError(f"{_flag(n)} must be {where}, got {v:g}")
-    cfg = moe_config_from_args(a)  # the configs validate their own fields
+    cfg = moe_config_from_args(a, world)  # the configs validate their own fields
     GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every)
-    if a.dim % a.heads:
-        raise ValueError(f"--dim {a.dim} must be divisible by --heads {a.heads}")
+    if a.model_dim % a.heads:
+        raise ValueError(f"--model-dim {a.model_dim} must be divisible by --heads {a.heads}")
     if a.policy != "auto":
         POLICIES.get(a.policy)  # ValueError listing the known names
     ALGORITHMS.get(a.algorithm)
-    for c in (a.compress, a.compress_backward):
+    for c in (a.compressor, a.compressor_backward):
         compression.build(c, cfg.compression.options)  # names and their options
     if a.ep_size is not None:
         if a.ep_size < 1:
             raise ValueError(f"--ep-size must be >= 1, got {a.ep_size}")
         if world is not None and world % a.ep_size:
             raise ValueError(f"--ep-size {a.ep_size} must divide the {world} ranks")
-        if a.experts % a.ep_size:
+        if a.experts is not None and a.experts % a.ep_size:
             raise ValueError(f"--experts {a.experts} must be divisible by --ep-size {a.ep_size}")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
@@ -156,15 +174,17 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
     if a.bucket_mb is not None and not (math.isfinite(a.bucket_mb) and a.bucket_mb > 0):
         raise ValueError(f"--bucket-mb must be > 0 and finite, got {a.bucket_mb:g}")
     if world is not None:
-        if a.experts % (a.ep_size or world):
+        if num_experts(a, world) % (a.ep_size or world):
             raise ValueError(
-                f"--experts {a.experts} must be divisible by the {a.ep_size or world} "
+                f"--experts {num_experts(a, world)} must be divisible by the {a.ep_size or world} "
                 "expert-parallel ranks"
             )
         if a.ranks_per_node is not None and world % a.ranks_per_node:
             raise ValueError(f"--ranks-per-node {a.ranks_per_node} must divide the {world} ranks")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'schemoe[plot]'")
+    if a.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard")
 
 
 def check_corpus(a: argparse.Namespace, tokens: int) -> None:
@@ -211,6 +231,64 @@ def check_paths(a: argparse.Namespace) -> None:
         _writable_file(a.export, "--export")
     if a.plot:
         _writable_file(a.plot, "--plot")
+    if a.log_file:
+        _writable_file(a.log_file, "--log-file")
+    if a.tensorboard:
+        _writable_dir(Path(a.tensorboard), "--tensorboard", a.tensorboard)
+
+
+# The model's shape: a resumed run takes these from the checkpoint; a different value is an error.
+SHAPE = ("model_dim", "hidden_dim", "experts", "layers", "heads", "moe_every", "seq_len",
+         "activation", "expert_bias")  # fmt: skip
+# Where this invocation writes, and where it stops: never taken from the saved run.
+NOT_RESUMED = ("resume", "save", "stop_after", "export", "plot", "log_file", "tensorboard")
+# Flags renamed since a checkpoint may have been written: saved name -> current name.
+RENAMED = {"dim": "model_dim", "hidden": "hidden_dim", "compress": "compressor",
+           "compress_backward": "compressor_backward", "compress_option": "compressor_option",
+           "grad_compress": "grad_compressor"}  # fmt: skip
+
+
+def apply_resume(a: argparse.Namespace) -> None:
+    """With --resume: every argument of the saved run (meta.json's "args") that this command line
+    did not give (`a.explicit`, recorded by the parser; without it every value counts as given)
+    is taken from it, except where this run writes and stops (NOT_RESUMED). A shape flag (SHAPE)
+    given with another value than the saved one is a ValueError. --save defaults to the
+    checkpoint's folder, so the run keeps saving where it was saved. Idempotent."""
+    if not a.resume:
+        return
+    folder = checkpoint.resolve(a.resume)
+    saved = json.loads((folder / "meta.json").read_text()).get("args", {})
+    saved = {RENAMED.get(k, k): v for k, v in saved.items()}
+    explicit = set(getattr(a, "explicit", vars(a)))
+    for k, v in saved.items():
+        if k in NOT_RESUMED or not hasattr(a, k):
+            continue
+        if k in SHAPE and k in explicit and v is not None and getattr(a, k) != v:
+            raise ValueError(
+                f"{_flag(k)} {getattr(a, k)} conflicts with the checkpoint's {v} ({folder}): a "
+                f"resumed run keeps the model's shape; drop {_flag(k)}"
+            )
+        if k not in explicit:
+            setattr(a, k, v)
+    if "save" not in explicit and not a.save:
+        root = folder.parent if (folder.parent / "latest").exists() else folder
+        a.save = str(root)
+
+
+def nothing_to_do(a: argparse.Namespace) -> str | None:
+    """With --resume: the line that says there is nothing to train when the checkpoint has
+    reached the last step (--steps, or --stop-after) already; otherwise None."""
+    if not a.resume:
+        return None
+    step = int(json.loads((checkpoint.resolve(a.resume) / "meta.json").read_text())["step"])
+    last = min(a.steps, a.stop_after) if a.stop_after else a.steps
+    if step < last:
+        return None
+    flag = "--stop-after" if a.stop_after and a.stop_after < a.steps else "--steps"
+    return (
+        f"nothing to do: the checkpoint {a.resume!r} is at step {step} and {flag} is {last}; "
+        "raise --steps to train further"
+    )
 
 
 def validate(a: argparse.Namespace, world: int | None) -> None:
@@ -222,48 +300,64 @@ def validate(a: argparse.Namespace, world: int | None) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.record_explicit = True  # --resume takes what the command line does not give
     a = p.add_argument
-    a("--nproc", type=int, default=4, help="local ranks to spawn (default 4)")
+    a("--nproc", type=int, default=4, help="local ranks to spawn (not under torchrun)")
     a("--steps", type=int, default=40, help="total steps (the LR schedule's length)")
-    a("--batch", type=int, default=8, help="sequences per rank per step")
-    a("--seq-len", type=int, default=64)
-    a("--layers", type=int, default=4)
-    a("--heads", type=int, default=4)
+    a("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    a("--grad-accum", type=int, default=1,
+      help="micro-batches per optimizer step (gradients accumulated; DDP syncs on the last)")  # fmt: skip
+    a("--seq-len", type=int, default=64, help="tokens per sequence")
+    a("--layers", type=int, default=4, help="transformer blocks")
+    a("--heads", type=int, default=4, help="attention heads")
     a("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
-    a("--ep-size", type=int, default=None, help="expert-parallel group size (default: world)")
+    a("--ep-size", type=int, default=None, help="expert-parallel group size (default: all ranks)")
     cuda = torch.cuda.is_available()
     a("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
       help="cuda: NCCL, model on cuda:LOCAL_RANK; cpu: gloo (default: cuda when available)")  # fmt: skip
-    a("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
+    a("--dtype", choices=("fp32", "bf16"), default="fp32",
+      help="compute dtype of forward and loss: bf16 runs them under torch.autocast; weights, "
+      "gradients and optimizer state stay fp32")  # fmt: skip
     m = p.add_argument_group("MoE layer (every MoEConfig field)").add_argument
-    m("--dim", type=int, default=128, help="model dim")
-    m("--hidden", type=int, default=256, help="expert (and dense FFN) hidden dim")
-    m("--experts", type=int, default=8)
-    m("--top-k", type=int, default=2)
-    m("--capacity-factor", type=float, default=1.25, help="0 = dropless")
-    m("--renormalize", action=argparse.BooleanOptionalAction, default=True)
+    m("--model-dim", type=int, default=128, help="model (embedding) dim M")
+    m("--hidden-dim", type=int, default=256, help="expert (and dense FFN) hidden dim H")
+    m("--experts", type=int, default=None, help="E (default: 2 per expert-parallel rank)")
+    m("--top-k", type=int, default=2, help="experts per token k")
+    m("--capacity-factor", type=float, default=1.25, help="f; 0 = dropless")
+    m("--renormalize", action=argparse.BooleanOptionalAction, default=True,
+      help="renormalise the top-k gate weights to sum to 1")  # fmt: skip
     m("--noise-std", type=float, default=0.0, help="router logit noise in training")
-    m("--priority", default="position", help="position | score")
-    m("--aux-loss-weight", type=float, default=0.01)
-    m("--z-loss-weight", type=float, default=0.0)
+    m("--priority", choices=("position", "score"), default="position",
+      help="which tokens keep a slot when an expert is full")  # fmt: skip
+    m("--aux-loss-weight", type=float, default=0.01, help="load-balancing loss weight")
+    m("--z-loss-weight", type=float, default=0.0, help="router z-loss weight")
     m("--bias-update-rate", type=float, default=0.0, help="> 0: aux-loss-free expert bias")
-    m("--activation", default="gelu", help="relu | gelu | swiglu")
+    m(
+        "--activation",
+        choices=("relu", "gelu", "swiglu"),
+        default="gelu",
+        help="expert FFN activation",
+    )
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
-    m("--ranks-per-node", type=int, default=None)
+    m("--ranks-per-node", type=int, default=None,
+      help="ranks per node for hierarchical algorithms (default: the launcher's, else all)")  # fmt: skip
     # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares), so
     # capacity-mode splits follow from the config: no counts exchange, no host sync.
     m("--uniform-tokens", action=argparse.BooleanOptionalAction, default=True,
       help="every rank routes the same tokens per call (default: yes, as this trainer does)")  # fmt: skip
-    m("--policy", default="schemoe", help="a policy name, or auto (the cost model chooses)")
-    m("--chunks", type=int, default=2)
-    m("--budget", default="lossless", help="auto: lossless | fp16 | lossy compressors allowed")
+    m("--policy", default="schemoe",
+      help=f"schedule policy: {', '.join(POLICIES.names())}, or auto (the cost model chooses)")  # fmt: skip
+    m("--chunks", type=int, default=2, help="r, chunks per layer call")
+    m("--budget", choices=("lossless", "fp16", "lossy"), default="lossless",
+      help="auto: the compressors it may choose")  # fmt: skip
     m("--trials", type=int, default=5, help="auto: timed calls per shortlisted candidate")
     m("--shortlist", type=int, default=4, help="auto: candidates the model shortlists")
-    m("--algorithm", default="naive")
-    m("--compress", default="none", help="forward (activation) compressor")
-    m("--compress-backward", default="none", help="gradient compressor")
+    m("--algorithm", default="naive", help=f"all-to-all algorithm: {', '.join(ALGORITHMS.names())}")
+    m("--compressor", default="none",
+      help=f"forward (activation) compressor: {', '.join(compression.COMPRESSORS.names())}")  # fmt: skip
+    m("--compressor-backward", default="none", help="gradient compressor (same names)")
     m(
-        "--compress-option",
+        "--compressor-option",
         action="append",
         default=[],
         metavar="NAME.KEY=VALUE",
@@ -272,14 +366,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("optimisation and evaluation").add_argument
     o("--lr", type=float, default=3e-3, help="peak learning rate")
     o("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this (0..1)")
-    o("--warmup", type=int, default=None, help="linear warm-up steps (default steps // 10)")
+    o("--warmup", type=int, default=None, help="linear warm-up steps (default: steps // 10)")
     o("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
     o("--clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
     o("--eval-every", type=int, default=20, help="eval loss every n steps (and at the end)")
     o("--eval-seqs", type=int, default=64, help="held-out sequences per eval (0 = no eval)")
-    o("--seed", type=int, default=0)
-    o("--corpus", default=None, help="text file or folder (default: Python stdlib)")
-    o("--corpus-bytes", type=int, default=4_000_000)
+    o("--seed", type=int, default=0, help="seed of init, data order and router noise")
+    o("--corpus", default=None, help="text file or folder (default: Python's stdlib sources)")
+    o("--corpus-bytes", type=int, default=4_000_000, help="bytes of the corpus read")
     s = p.add_argument_group("gradient synchronisation (dense weights)").add_argument
     s(
         "--grad-sync",
@@ -288,7 +382,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ddp: DDP's all-reduce; scheduled: buckets posted into idle network time",
     )
     s(
-        "--grad-compress",
+        "--grad-compressor",
         default="none",
         choices=sorted(COMPRESS),
         help="bucket dtype on the wire (ddp: torch's bf16/fp16 compress hooks)",
@@ -302,24 +396,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s("--bucket-mb", type=float, default=None,
       help="DDP bucket size in MiB (default 25 with ddp, 1 with scheduled)")  # fmt: skip
     r = p.add_argument_group("checkpoints, output, failures").add_argument
-    r("--save", default=None, metavar="DIR", help="checkpoint folder (written at the end)")
+    r("--save", default=None, metavar="DIR",
+      help="checkpoint folder, written at the end (default with --resume: its folder)")  # fmt: skip
     r("--save-every", type=int, default=0, help="also save every n steps")
-    r("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any rank count)")
+    r("--resume", default=None, metavar="DIR",
+      help="resume a checkpoint (any rank count) with its saved arguments; flags given here "
+      "override them, except the model's shape")  # fmt: skip
     r("--stop-after", type=int, default=None, help="stop at this step (resume later)")
     r("--export", default=None, metavar="PATH", help="single-file unsharded model at the end")
     r("--plot", default=None, metavar="PNG", help="loss curve image (rank 0)")
-    r("--log-every", type=int, default=5)
+    r("--log-every", type=int, default=5, help="a step line every n steps")
+    r("--log-file", default=None, metavar="JSONL",
+      help="per-step metrics, one JSON object a line (rank 0): loss, lr, grad norm, tokens/s, "
+      "step parts, per MoE layer the expert load and dropped fraction")  # fmt: skip
+    r("--tensorboard", default=None, metavar="DIR",
+      help="the same metrics as TensorBoard scalars (needs the tensorboard package)")  # fmt: skip
     r(
         "--check-finite",
         action="store_true",
         help="name the module/step of the first NaN/Inf (a non-finite loss always stops the run)",
     )
     r("--threads", type=int, default=1, help="torch threads per rank")
-    r("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    r("--timeout", type=float, default=600.0, help="collective timeout in seconds")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The `schemoe train` arguments (defaults for anything not in argv)."""
-    p = argparse.ArgumentParser(prog="schemoe train")
+    p = Parser(prog="schemoe train")
     add_arguments(p)
     return p.parse_args(argv)

@@ -42,7 +42,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')"
 step pytest 210 "$py" -m pytest -m cuda -q -rs tests/test_cuda.py
 gpus=$("$py" -c "import torch; print(min(4, max(1, torch.cuda.device_count())))")
 step bench 60 "$py" -m schemoe bench layer --device cuda --nproc "$gpus" \
-    --policies sequential,schemoe --chunks 1,4 --tokens 4096 --model-dim 1024 --hidden 4096 \
+    --policies sequential,schemoe --chunks 1,4 --tokens 4096 --model-dim 1024 --hidden-dim 4096 \
     --repeats 5
 step train 60 "$py" -m schemoe train --device cuda --nproc "$gpus" --steps 20 --eval-seqs 16
 step train_bf16 60 "$py" -m schemoe train --device cuda --nproc "$gpus" --steps 20 \

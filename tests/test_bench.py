@@ -89,7 +89,7 @@ def test_bench_a2a_rejects_an_unknown_algorithm_before_starting_ranks(capfd):
 
 def test_bench_layer_reports_each_candidate_and_no_step_beats_its_lower_bound(capfd):
     args = _parse(["bench", "layer", "--nproc", "2", "--tokens", "256", "--model-dim", "64",
-                   "--hidden", "128", "--policies", "sequential,schemoe", "--chunks", "1,2",
+                   "--hidden-dim", "128", "--policies", "sequential,schemoe", "--chunks", "1,2",
                    "--warmup", "1", "--repeats", "5", "--timeout", "60"])  # fmt: skip
     assert args.func(args) == 0
     out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
@@ -109,7 +109,7 @@ def test_bench_layer_reports_each_candidate_and_no_step_beats_its_lower_bound(ca
 
 def test_bench_layer_with_auto_alone_reports_what_auto_chose(capfd):
     args = _parse(["bench", "layer", "--nproc", "2", "--tokens", "64", "--model-dim", "32",
-                   "--hidden", "64", "--policies", "auto", "--chunks", "1,2", "--warmup", "1",
+                   "--hidden-dim", "64", "--policies", "auto", "--chunks", "1,2", "--warmup", "1",
                    "--repeats", "2", "--timeout", "60"])  # fmt: skip
     assert args.func(args) == 0
     out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
@@ -118,9 +118,9 @@ def test_bench_layer_with_auto_alone_reports_what_auto_chose(capfd):
 
 
 def test_bench_step_times_each_grad_sync_row_and_states_its_parts(capfd):
-    args = _parse(["bench", "step", "--nproc", "2", "--dim", "32", "--hidden", "64",
+    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
                    "--layers", "2", "--seq-len", "16", "--batch", "2", "--heads", "2",
-                   "--grad-sync", "ddp,scheduled", "--grad-compress", "none,bf16",
+                   "--grad-syncs", "ddp,scheduled", "--grad-compressors", "none,bf16",
                    "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
     assert args.func(args) == 0
     lines = capfd.readouterr().out.strip().splitlines()

@@ -197,7 +197,7 @@ def test_presets_describe_the_paper_cluster_and_an_h100_pod_and_round_trip_json(
 
 def test_simulate_command_ends_with_the_json_contract(capsys, tmp_path):
     png = tmp_path / "g.png"
-    argv = "simulate --preset paper-32gpu --layers 2 --tokens 2048 --model-dim 1024 --hidden 1024"
+    argv = "simulate --preset paper-32gpu --layers 2 --tokens 2048 --model-dim 1024 --hidden-dim 1024"
     rc = cli.main([*argv.split(), "--max-chunks", "4", "--png", str(png)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -214,7 +214,7 @@ def test_simulate_command_ends_with_the_json_contract(capsys, tmp_path):
 
 def test_simulate_systems_and_ablation_ladder_on_the_paper_cluster(capsys):
     # The paper's ablation layer (the ScheMoE paper): each ScheMoE part takes time off the step.
-    argv = "simulate --preset paper-32gpu --tokens 16384 --model-dim 8192 --hidden 8192"
+    argv = "simulate --preset paper-32gpu --tokens 16384 --model-dim 8192 --hidden-dim 8192"
     argv += " --top-k 1 --capacity-factor 1.2 --budget lossy --max-chunks 2 --systems --ablation"
     assert cli.main(argv.split()) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -235,7 +235,7 @@ def test_simulate_systems_and_ablation_ladder_on_the_paper_cluster(capsys):
 
 
 def test_simulate_rejects_an_unknown_preset_with_the_known_names(capsys):
-    argv = "simulate --preset nope --tokens 8 --model-dim 8 --hidden 8"
+    argv = "simulate --preset nope --tokens 8 --model-dim 8 --hidden-dim 8"
     assert cli.main(argv.split()) == 2
     assert "known:" in capsys.readouterr().err
 
@@ -258,7 +258,7 @@ def test_cpu_ranks_sharing_cores_compute_faster_the_more_the_others_wait():
 
 def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
     path = str(tmp_path / "prof.json")
-    argv = "profile --nproc 2 --ranks-per-node 1 --quick --model-dim 64 --hidden 128 --path"
+    argv = "profile --nproc 2 --ranks-per-node 1 --quick --model-dim 64 --hidden-dim 128 --path"
     assert cli.main([*argv.split(), path]) == 0
     hw = profiles.load(2, 1, path=path)
     assert hw is not None and hw.flops > 0 and hw.inter.beta > 0 and "fp16" in hw.codecs

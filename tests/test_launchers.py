@@ -14,7 +14,7 @@ from schemoe._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["--device", "cpu", "--ep-size", "1", "--steps", "2", "--eval-seqs", "0", "--layers", "2",
-         "--dim", "32", "--hidden", "64", "--corpus-bytes", "20000"]  # fmt: skip
+         "--model-dim", "32", "--hidden-dim", "64", "--corpus-bytes", "20000"]  # fmt: skip
 
 
 def _meta(folder: Path) -> dict:

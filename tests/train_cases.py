@@ -8,9 +8,9 @@ from schemoe import train as T
 TINY = [
     "--device",  # the test ranks are gloo CPU ranks, also on a machine with a GPU
     "cpu",
-    "--dim",
+    "--model-dim",
     "32",
-    "--hidden",
+    "--hidden-dim",
     "48",
     "--layers",
     "2",

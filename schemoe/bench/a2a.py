@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[2**16, 2**20, 2**23],
         help="bytes per rank, e.g. 64K,1M,8M",
     )
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds")
+    p.add_argument("--repeats", type=int, default=10, help="measured rounds")
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -23,8 +23,12 @@ a2a_share = comm / the first candidate's step time.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import itertools
+import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,7 +48,7 @@ from . import parts, timer
 
 __all__ = ["add_arguments", "bench", "validate"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _csv(text: str) -> list[str]:
@@ -52,26 +56,31 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", type=_csv, default=["sequential"], help="comma-separated")
-    p.add_argument("--algorithms", type=_csv, default=["naive"], help="comma-separated")
-    p.add_argument("--compressors", type=_csv, default=["none"], help="name or fwd/bwd, ...")
-    p.add_argument("--chunks", type=lambda s: [int(v) for v in _csv(s)], default=[1])
-    p.add_argument("--peer", choices=["deepspeed"], action="append", default=[])
+    p.add_argument("--policies", type=_csv, default=["sequential"],
+                   help=f"comma list of: {', '.join(POLICIES.names())}, auto")  # fmt: skip
+    p.add_argument("--algorithms", type=_csv, default=["naive"],
+                   help=f"comma list of: {', '.join(ALGORITHMS.names())}")  # fmt: skip
+    p.add_argument("--compressors", type=_csv, default=["none"],
+                   help=f"comma list, each a name or fwd/bwd: {', '.join(COMPRESSORS.names())}")  # fmt: skip
+    p.add_argument("--chunks", type=lambda s: [int(v) for v in _csv(s)], default=[1],
+                   help="comma list of r")  # fmt: skip
+    p.add_argument("--peer", choices=["deepspeed"], action="append", default=[],
+                   help="also time DeepSpeed-MoE's layer at the same shape (repeatable)")  # fmt: skip
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--model-dim", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=None, help="default: 2 per rank")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    p.add_argument("--model-dim", type=int, default=256, help="model dim M")
+    p.add_argument("--hidden-dim", type=int, default=1024, help="expert hidden dim H")
+    p.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token k")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="f; 0 = dropless")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="activations and weights")
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
         help="cuda: one GPU per rank (cuda:LOCAL_RANK), NCCL, CUDA-event timing",
     )
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds")
+    p.add_argument("--repeats", type=int, default=10, help="measured rounds")
     p.add_argument(
         "--predict",
         action="store_true",
@@ -105,6 +114,32 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    check_optional(args)
+
+
+def check_optional(args: argparse.Namespace) -> None:
+    """The optional packages the flags need, before any rank starts (bench layer and step)."""
+    if "deepspeed" in args.peer and importlib.util.find_spec("deepspeed") is None:
+        raise ValueError("--peer deepspeed needs DeepSpeed: pip install deepspeed")
+    if args.trace and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            f"--trace {args.trace} draws a Gantt PNG per row and needs matplotlib: "
+            "pip install matplotlib"
+        )
+
+
+def import_deepspeed():
+    """`deepspeed`, with its log messages on stderr: stdout carries the bench's header, table
+    and JSON line. DeepSpeed's logger binds the stdout of the moment it is created (at import,
+    where it already logs the accelerator it found), so the import runs with stdout pointed at
+    stderr and any handler on stdout is moved to stderr."""
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+        from deepspeed.utils.logging import logger
+    for h in logger.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
+    return deepspeed
 
 
 def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp="none", r=1):
@@ -115,7 +150,7 @@ def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp=
             top_k=args.top_k,
             capacity_factor=args.capacity_factor,
         ),
-        experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=args.hidden),
+        experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim),
         # Every rank routes --tokens tokens at every call: capacity mode needs no counts exchange.
         parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=True),
         schedule=c.ScheduleConfig(policy=policy, chunks=r),
@@ -125,11 +160,11 @@ def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp=
 
 
 def _deepspeed(args, world: int, dtype: torch.dtype) -> torch.nn.Module:
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.moe.layer import MoE
 
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised default group
-    M, H = args.model_dim, args.hidden
+    M, H = args.model_dim, args.hidden_dim
     expert = torch.nn.Sequential(
         torch.nn.Linear(M, H, bias=False), torch.nn.GELU(), torch.nn.Linear(H, M, bias=False)
     )
@@ -187,7 +222,8 @@ def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
         dist.barrier()
         with trace.record() as tl:
             step()
-        tl.save(os.path.join(folder, name.replace("/", "_")))
+        if written := tl.save(os.path.join(folder, name.replace("/", "_"))):
+            print(f"trace: {', '.join(written)}", file=sys.stderr, flush=True)
 
 
 def bench(args: argparse.Namespace, env) -> None:

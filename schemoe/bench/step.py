@@ -2,7 +2,7 @@
 
 A sample is one step: zero_grad; logits, aux = model(tokens); cross-entropy + aux; backward
 (the dense-gradient sync included); global-norm clipping; AdamW step; the loss all-reduce.
-Candidates are every combination of --policies x --chunks x --grad-sync x --grad-compress, and
+Candidates are every combination of --policies x --chunks x --grad-syncs x --grad-compressors, and
 with `--peer deepspeed` the same model (same dense parts, E, k, f) with DeepSpeed-MoE's layer
 under DDP (its experts left out of DDP, as DeepSpeed's own engine does).
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import time
 
 import torch
@@ -43,7 +44,7 @@ from ..lm import GPT, GPTConfig
 from ..parallel import clip_grad_norm_, ddp_ignore_experts, dense_parameters
 from ..scheduling import POLICIES
 from . import parts, timer
-from .layer import _deepspeed
+from .layer import _deepspeed, check_optional
 
 __all__ = ["add_arguments", "bench", "validate"]
 
@@ -54,28 +55,30 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--policies", type=_csv, default=["schemoe"], help="comma list (default schemoe)")
+    a("--policies", type=_csv, default=["schemoe"], help="comma list of policies")
     a("--chunks", type=lambda s: [int(v) for v in _csv(s)], default=[2], help="comma list of r")
-    a("--grad-sync", type=_csv, default=["ddp"], help=f"comma list of {', '.join(SYNCS)}")
-    a("--grad-compress", type=_csv, default=["none"], help="comma list of none, bf16, fp16")
-    a("--grad-algorithm", default="flat", help="scheduled sync: flat | hier (default flat)")
-    a("--bucket-mb", type=float, default=1.0, help="DDP bucket MiB for every row (default 1)")
+    a("--grad-syncs", dest="grad_sync", type=_csv, default=["ddp"],
+      help=f"comma list of {', '.join(SYNCS)}")  # fmt: skip
+    a("--grad-compressors", dest="grad_compress", type=_csv, default=["none"],
+      help="comma list of none, bf16, fp16")  # fmt: skip
+    a("--grad-algorithm", choices=("flat", "hier"), default="flat", help="scheduled sync")
+    a("--bucket-mb", type=float, default=1.0, help="DDP bucket MiB for every row")
     a("--peer", type=_csv, default=[], help="deepspeed: DeepSpeed-MoE's layer, same model")
     m = p.add_argument_group("the model (schemoe train's flags)").add_argument
-    m("--dim", type=int, default=128, help="model dim (default 128)")
-    m("--hidden", type=int, default=256, help="expert and dense FFN hidden dim (default 256)")
-    m("--experts", type=int, default=8, help="E (default 8)")
-    m("--top-k", type=int, default=2, help="k (default 2)")
-    m("--capacity-factor", type=float, default=1.25, help="f (default 1.25)")
-    m("--layers", type=int, default=4, help="blocks (default 4)")
-    m("--heads", type=int, default=4, help="attention heads (default 4)")
-    m("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block (default 2)")
-    m("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    m("--batch", type=int, default=8, help="sequences per rank (default 8)")
-    m("--algorithm", default="naive", help="all-to-all algorithm (default naive)")
+    m("--model-dim", type=int, default=128, help="model dim M")
+    m("--hidden-dim", type=int, default=256, help="expert and dense FFN hidden dim H")
+    m("--experts", type=int, default=None, help="E (default: 2 per rank)")
+    m("--top-k", type=int, default=2, help="k")
+    m("--capacity-factor", type=float, default=1.25, help="f")
+    m("--layers", type=int, default=4, help="blocks")
+    m("--heads", type=int, default=4, help="attention heads")
+    m("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
+    m("--seq-len", type=int, default=64, help="tokens per sequence")
+    m("--batch", type=int, default=8, help="sequences per rank")
+    m("--algorithm", default="naive", help="all-to-all algorithm")
     t = p.add_argument_group("timing").add_argument
-    t("--warmup", type=int, default=2, help="unmeasured rounds (default 2)")
-    t("--repeats", type=int, default=5, help="measured rounds (default 5)")
+    t("--warmup", type=int, default=2, help="unmeasured rounds")
+    t("--repeats", type=int, default=5, help="measured rounds")
     t("--trace", default=None, metavar="DIR",
       help="after timing, trace one step of each row: DIR/<row>.json + .png")  # fmt: skip
 
@@ -87,10 +90,10 @@ def validate(args: argparse.Namespace) -> None:
     ALGORITHMS.get(args.algorithm)
     for s in args.grad_sync:
         if s not in SYNCS:
-            raise ValueError(f"--grad-sync must be a list of {SYNCS}, got {s!r}")
+            raise ValueError(f"--grad-syncs must be a list of {SYNCS}, got {s!r}")
     for s in args.grad_compress:
         if s not in COMPRESS:
-            raise ValueError(f"--grad-compress must be a list of {sorted(COMPRESS)}, got {s!r}")
+            raise ValueError(f"--grad-compressors must list {sorted(COMPRESS)}, got {s!r}")
     if any(r < 1 for r in args.chunks):
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
     if "deepspeed" in args.peer and args.top_k not in (1, 2):
@@ -98,11 +101,7 @@ def validate(args: argparse.Namespace) -> None:
     for p in args.peer:
         if p != "deepspeed":
             raise ValueError(f"--peer must be deepspeed, got {p!r}")
-    if "deepspeed" in args.peer:
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise ValueError("--peer deepspeed needs `pip install deepspeed`") from None
+    check_optional(args)
 
 
 def _moe_config(args, rpn: int, policy: str = "sequential", r: int = 1) -> c.MoEConfig:
@@ -110,7 +109,7 @@ def _moe_config(args, rpn: int, policy: str = "sequential", r: int = 1) -> c.MoE
         gate=c.GateConfig(
             num_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor
         ),
-        experts=c.ExpertConfig(model_dim=args.dim, hidden_dim=args.hidden),
+        experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim),
         parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=True),  # as schemoe train
         schedule=c.ScheduleConfig(policy=policy, chunks=r),
         collective=c.CollectiveConfig(algorithm=args.algorithm),
@@ -165,7 +164,7 @@ def _network(args, core: GPT, algo, world: int, dtype: torch.dtype, group=None):
     T = args.batch * args.seq_len
     rows = args.experts * capacity(gate, T)
     per = [rows // world + (d < rows % world) for d in range(world)]
-    x = torch.randn(sum(per), args.dim)
+    x = torch.randn(sum(per), args.model_dim)
     dense = sum(p.numel() for p in dense_parameters(core))
     grads = torch.zeros(dense, dtype=dtype)
     loss = torch.zeros(1)
@@ -218,7 +217,8 @@ def _trace(folder: str, steps: dict, cores: dict) -> None:
         dist.barrier()
         with trace.record() as tl:
             step()
-        tl.save(os.path.join(folder, name.replace("/", "_")))
+        if written := tl.save(os.path.join(folder, name.replace("/", "_"))):
+            print(f"trace: {', '.join(written)}", file=sys.stderr, flush=True)
         for h in hooks:
             h.remove()
 
@@ -226,6 +226,7 @@ def _trace(folder: str, steps: dict, cores: dict) -> None:
 def bench(args: argparse.Namespace, env) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     rpn = env.ranks_per_node
+    args.experts = args.experts or 2 * world
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
@@ -315,8 +316,8 @@ def bench(args: argparse.Namespace, env) -> None:
 def _peer_args(args) -> argparse.Namespace:
     """bench layer's DeepSpeed builder reads these names."""
     return argparse.Namespace(
-        model_dim=args.dim,
-        hidden=args.hidden,
+        model_dim=args.model_dim,
+        hidden_dim=args.hidden_dim,
         experts=args.experts,
         top_k=args.top_k,
         capacity_factor=args.capacity_factor,

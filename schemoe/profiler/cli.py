@@ -3,7 +3,7 @@
     schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit] [--path FILE]
     schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile --link-rate 400mbit
     schemoe simulate --preset paper-32gpu --layers 12 --tokens 4096 --model-dim 2048 \\
-        --hidden 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
+        --hidden-dim 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
     schemoe validate BENCH.txt=PROFILE.json ... [--png sim_vs_measured.png]
 
 All three end with one JSON line. simulate's: {"preset", "results": [{"policy", "algorithm",
@@ -116,7 +116,7 @@ def _shape(args, hw):
         tokens=args.tokens,
         model_dim=args.model_dim,
         hidden_dim=args.hidden,
-        experts=args.experts or hw.world,
+        experts=args.experts or 2 * hw.world,
         top_k=args.top_k,
         capacity_factor=args.capacity_factor,
         activation=args.activation,
@@ -362,32 +362,42 @@ def register(subparsers) -> None:
     p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. 1gbit")
     p.add_argument("--path", default=None, help="cache file (default ~/.cache/schemoe/...)")
     p.add_argument("--model-dim", type=int, default=512, help="the layer shape to fit at")
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--hidden-dim", dest="hidden", type=int, default=1024, help="expert hidden dim")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--experts", type=int, default=0, help="default: 2 per rank")
+    p.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available()
                    else "cpu", help="cuda: NCCL, one GPU per rank, CUDA-event timing")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.set_defaults(func=guard("schemoe profile", _profile))
 
     s = subparsers.add_parser("simulate", help="predicted step time per policy on a preset")
     s.add_argument("--preset", default="paper-32gpu", help="local, paper-32gpu, h100-64gpu")
     s.add_argument("--profile", default=None, help="a profile cache file instead of a preset")
     s.add_argument("--nodes", type=int, default=None, help="override the preset's node count")
-    s.add_argument("--ranks-per-node", type=int, default=None)
-    s.add_argument("--layers", type=int, default=1)
+    s.add_argument("--ranks-per-node", type=int, default=None, help="override the preset's")
+    s.add_argument("--layers", type=int, default=1, help="MoE layers per step")
     s.add_argument("--tokens", type=int, required=True, help="tokens per rank (B x L)")
     s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
-    s.add_argument("--model-dim", type=int, required=True)
-    s.add_argument("--hidden", type=int, required=True)
-    s.add_argument("--experts", type=int, default=None, help="default: one per rank")
-    s.add_argument("--top-k", type=int, default=2)
-    s.add_argument("--capacity-factor", type=float, default=1.0)
-    s.add_argument("--activation", default="gelu", choices=["relu", "gelu", "swiglu"])
-    s.add_argument("--dtype-bytes", type=int, default=4, choices=[2, 4])
-    s.add_argument("--budget", default="lossless", choices=["lossless", "fp16", "lossy"])
-    s.add_argument("--max-chunks", type=int, default=8)
+    s.add_argument("--model-dim", type=int, required=True, help="model dim M")
+    s.add_argument("--hidden-dim", dest="hidden", type=int, required=True, help="expert hidden dim")
+    s.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
+    s.add_argument("--top-k", type=int, default=2, help="experts per token k")
+    s.add_argument("--capacity-factor", type=float, default=1.0, help="f")
+    s.add_argument(
+        "--activation",
+        default="gelu",
+        choices=["relu", "gelu", "swiglu"],
+        help="expert FFN activation",
+    )
+    s.add_argument("--dtype-bytes", type=int, default=4, choices=[2, 4], help="bytes per value")
+    s.add_argument(
+        "--budget",
+        default="lossless",
+        choices=["lossless", "fp16", "lossy"],
+        help="compressors the tuner may choose",
+    )
+    s.add_argument("--max-chunks", type=int, default=8, help="largest r tried")
     s.add_argument("--systems", action="store_true", help="also each system as it ships")
     s.add_argument("--ablation", action="store_true", help="also the paper's ablation ladder")
     s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")

@@ -61,7 +61,7 @@ def register(subparsers) -> None:
     up.set_defaults(func=guard("schemoe testbed", _up))
 
     run = sub.add_parser("run", help="launch ranks on every node (torchrun-style env)")
-    run.add_argument("--ranks-per-node", type=int, required=True)
+    run.add_argument("--ranks-per-node", type=int, required=True, help="ranks on each node")
     run.add_argument("--timeout", type=float, default=600.0, help="kill all ranks after S s")
     run.add_argument(
         "target",

@@ -1,0 +1,166 @@
+"""`schemoe train` as a user's training loop: gradient accumulation, the per-step metrics file,
+--resume taking the saved run's arguments, a clear line when there is nothing to do, and the
+optional packages checked before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig, cli
+from schemoe import train as T
+from schemoe import train_args as TA
+from schemoe._dist import spawn
+from train_cases import tiny
+
+EXACT = ("--capacity-factor", "0", "--aux-loss-weight", "0", "--eval-seqs", "0")
+
+
+def test_grad_accum_2_with_batch_b_trains_as_batch_2b():
+    # Dropless and no aux loss: each token's loss and gradient do not depend on the others in
+    # its call, so two micro-batches of 2 are one batch of 4 up to float rounding.
+    accum = T.train(0, 1, tiny("--steps", "2", "--batch", "2", "--grad-accum", "2", *EXACT))
+    whole = T.train(0, 1, tiny("--steps", "2", "--batch", "4", *EXACT))
+    assert len(accum["losses"]) == 2  # step 2's loss shows step 1's update was the same
+    for a, b in zip(accum["losses"], whole["losses"], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-4), (accum["losses"], whole["losses"])
+    assert accum["grad_accum"] == 2
+
+
+def test_log_file_has_one_line_per_step_with_loss_parts_and_per_layer_routing(tmp_path):
+    log = tmp_path / "m.jsonl"
+    out = T.train(0, 1, tiny("--steps", "2", "--eval-seqs", "0", "--log-file", str(log)))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["loss"] for r in rows] == out["losses"]
+    for r in rows:
+        assert {"lr", "grad_norm", "tokens_per_s"} <= set(r) and r["tokens_per_s"] > 0
+        assert set(r["step_ms"]) == {"forward", "backward", "optimizer"}
+        assert len(r["moe"]) == 1  # 2 layers, an MoE FFN in every 2nd block
+        load, dropped = r["moe"][0]["load"], r["moe"][0]["dropped"]
+        assert len(load) == 4 and math.isclose(sum(load), 1.0) and 0.0 <= dropped < 1.0
+
+
+def test_routing_stats_count_the_choices_dropped_past_capacity():
+    cfg = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=1, capacity_factor=0.25),
+        experts=ExpertConfig(model_dim=8, hidden_dim=8),
+    )
+    layer = MoELayer(cfg, seed=0)
+    layer.record_routing = True
+    layer(torch.randn(16, 8))  # C = ceil(0.25 * 16 / 4) = 1 slot per expert: 4 of 16 kept
+    stats = layer.take_routing_stats()
+    assert stats["dropped"] == pytest.approx(1 - 4 / 16)
+    assert layer.take_routing_stats() is None  # reset
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-step run's checkpoint folder (read only by the tests that use it)."""
+    folder = tmp_path_factory.mktemp("saved") / "ckpt"
+    T.train(0, 1, tiny("--steps", "2", "--eval-seqs", "0", "--save", str(folder)))
+    return folder
+
+
+def test_resume_takes_the_saved_arguments_and_keeps_saving_to_its_folder(saved):
+    ckpt = saved
+    a = T.parse_args(["--resume", str(ckpt), "--steps", "4", "--lr", "1e-3"])
+    TA.apply_resume(a)
+    assert (a.model_dim, a.hidden_dim, a.experts, a.layers, a.batch) == (32, 48, 4, 2, 4)
+    assert (a.steps, a.lr) == (4, 1e-3)  # given on the command line: they win
+    assert a.save == str(ckpt)
+
+
+def test_resume_with_another_model_shape_is_one_clear_error(saved, capsys):
+    ckpt = saved
+    rc = cli.main(["train", "--nproc", "1", "--resume", str(ckpt), "--model-dim", "64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--model-dim 64 conflicts with the checkpoint's 32" in err
+
+
+def test_resume_at_the_last_step_says_there_is_nothing_to_do(saved, capsys):
+    ckpt = saved
+    capsys.readouterr()
+    assert cli.main(["train", "--nproc", "1", "--resume", str(ckpt), "--steps", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [
+        (
+            f"schemoe train: nothing to do: the checkpoint {str(ckpt)!r} is at step 2 and "
+            "--steps is 2; raise --steps to train further"
+        )
+    ]
+
+
+def test_tensorboard_without_the_package_is_one_line_before_any_rank(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a)
+    )
+    with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package"):
+        TA.check_args(tiny("--tensorboard", "tb"), 1)
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "message"),
+    [
+        ("deepspeed", ["--peer", "deepspeed"], "--peer deepspeed needs DeepSpeed"),
+        ("matplotlib", ["--trace", "t"], "--trace t draws a Gantt PNG per row and needs"),
+    ],
+)
+def test_bench_checks_its_optional_packages_up_front(monkeypatch, capfd, missing, argv, message):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == missing else real(n, *a)
+    )
+    for name in ("layer", "step"):
+        args = cli.build_parser().parse_args(["bench", name, *argv])
+        assert args.func(args) == 2
+        err = capfd.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_deepspeed_logs_to_stderr_never_to_stdout():
+    pytest.importorskip("deepspeed")
+    code = "from schemoe.bench.layer import import_deepspeed; import_deepspeed()"
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ""
+
+
+def test_library_schedule_default_is_what_schemoe_train_runs():
+    a = T.parse_args([])
+    assert (ScheduleConfig().policy, ScheduleConfig().chunks) == (a.policy, a.chunks)
+
+
+def test_a_rank_state_dict_refuses_to_load_into_another_expert_slice():
+    cfg = MoEConfig(gate=GateConfig(num_experts=4), experts=ExpertConfig(model_dim=8, hidden_dim=8))
+    layer = MoELayer(cfg, seed=0)
+    state = layer.state_dict()
+    layer.load_state_dict(state)  # the same layout loads
+    state._metadata[""]["schemoe_experts"] = [2, 2, 4]  # rank 1 of 2 wrote it
+    with pytest.raises(ValueError, match="holds experts 2..3 of 4"):
+        layer.load_state_dict(state)
+
+
+def _warnings_of_a_run(rank: int, world: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        T.train(rank, world, tiny("--steps", "1", "--eval-seqs", "0"))
+    return [f"{w.category.__name__}: {w.message}" for w in seen]
+
+
+def test_a_two_rank_run_prints_no_warning():
+    per_rank = spawn(_warnings_of_a_run, 2)
+    assert per_rank == [[], []]
