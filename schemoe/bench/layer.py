@@ -295,7 +295,7 @@ def _bench(args: argparse.Namespace, env) -> None:
                   "chunks": "-", "median_ms": compute},
                  {"policy": "parts", "algorithm": "all-to-all only", "compressor": "-",
                   "chunks": "-", **stats["parts:comm"].row()}]  # fmt: skip
-    config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden", "top_k", "dtype")}
+    config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden_dim", "top_k", "dtype")}
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = timer.header("schemoe bench layer", config, env.topology(world), env.link())

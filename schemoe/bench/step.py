@@ -286,7 +286,7 @@ def bench(args: argparse.Namespace, env) -> None:
     base = rows[0]["median_ms"]
     for row in rows:
         row["speedup"] = base / row["median_ms"]
-    keys = ("dim", "hidden", "experts", "top_k", "layers", "heads", "moe_every")
+    keys = ("model_dim", "hidden_dim", "experts", "top_k", "layers", "heads", "moe_every")
     config = {k: getattr(args, k) for k in keys}
     config |= {"f": args.capacity_factor, "seq_len": args.seq_len, "batch": args.batch,
                "algorithm": args.algorithm, "bucket_mb": args.bucket_mb,

@@ -14,12 +14,19 @@ def is_step_row(row: dict) -> bool:
     return "grad_sync" in row and row["policy"] != "deepspeed"
 
 
+def _dims(cfg: dict) -> tuple[int, int]:
+    """(model dim, hidden dim) of a bench step header; results written before the flags were
+    renamed (--dim, --hidden) carry the old keys."""
+    return int(cfg.get("model_dim", cfg.get("dim"))), int(cfg.get("hidden_dim", cfg.get("hidden")))
+
+
 def shape_of(cfg: dict) -> StepShape:
+    M, H = _dims(cfg)
     return StepShape(
         batch=int(cfg["batch"]),
         seq_len=int(cfg["seq_len"]),
-        model_dim=int(cfg["dim"]),
-        hidden=int(cfg["hidden"]),
+        model_dim=M,
+        hidden=H,
         layers=int(cfg["layers"]),
         heads=int(cfg.get("heads", 4)),
         moe_every=int(cfg.get("moe_every", 2)),
@@ -53,8 +60,8 @@ def point(cfg: dict, row: dict, hw: Hardware) -> dict:
         "compressor": f"grad:{row['grad_sync']}/{row['grad_compress']}",
         "chunks": row["chunks"],
         "tokens": int(cfg["batch"]) * int(cfg["seq_len"]),
-        "model_dim": int(cfg["dim"]),
-        "hidden": int(cfg["hidden"]),
+        "model_dim": _dims(cfg)[0],
+        "hidden": _dims(cfg)[1],
         "measured_ms": round(row["median_ms"], 2),
         "predicted_ms": round(pred, 2),
         "error": round((pred - row["median_ms"]) / row["median_ms"], 4),
