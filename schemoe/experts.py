@@ -65,13 +65,14 @@ class BatchedFFN(nn.Module):
             _init(self.w3_EMH, M, [seed * 1_000_003 + 3 * e + 2 for e in ids])
         mark_expert(self)
 
-    def _act(self, h: torch.Tensor, x: torch.Tensor, e) -> torch.Tensor:
+    def _act(self, h: torch.Tensor, x: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor:
+        """The activation; swiglu gates with x @ w3 (one expert's [M, H] or all [El, M, H])."""
         a = self.cfg.activation
         if a == "relu":
             return F.relu(h)
         if a == "gelu":
             return F.gelu(h)
-        return F.silu(h) * (x @ self.w3_EMH[e] if isinstance(e, int) else torch.bmm(x, self.w3_EMH))
+        return F.silu(h) * torch.matmul(x, w3)
 
     def forward(self, x_NM: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         El = self.w1_EMH.shape[0]
@@ -86,18 +87,24 @@ class BatchedFFN(nn.Module):
             h = torch.bmm(x, self.w1_EMH)
             if self.b1_EH is not None:
                 h = h + self.b1_EH[:, None]
-            y = torch.bmm(self._act(h, x, None), self.w2_EHM)
+            y = torch.bmm(self._act(h, x, self.w3_EMH), self.w2_EHM)
             if self.b2_EM is not None:
                 y = y + self.b2_EM[:, None]
             return y.reshape(El * n, y.shape[-1])
+        # unbind, not w[e]: the backward of unbind stacks the El gradients once, where El
+        # selects would each fill and add a whole [El, ...] gradient.
+        w1, w2 = self.w1_EMH.unbind(0), self.w2_EHM.unbind(0)
+        w3 = self.w3_EMH.unbind(0) if self.w3_EMH is not None else None
+        b1 = self.b1_EH.unbind(0) if self.b1_EH is not None else None
+        b2 = self.b2_EM.unbind(0) if self.b2_EM is not None else None
         outs = []
         for e, x in enumerate(torch.split(x_NM, list(counts))):
-            h = x @ self.w1_EMH[e]
-            if self.b1_EH is not None:
-                h = h + self.b1_EH[e]
-            y = self._act(h, x, e) @ self.w2_EHM[e]
-            if self.b2_EM is not None:
-                y = y + self.b2_EM[e]
+            h = x @ w1[e]
+            if b1 is not None:
+                h = h + b1[e]
+            y = self._act(h, x, None if w3 is None else w3[e]) @ w2[e]
+            if b2 is not None:
+                y = y + b2[e]
             outs.append(y)
         return torch.cat(outs)
 
