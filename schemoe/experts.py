@@ -80,8 +80,8 @@ class BatchedFFN(nn.Module):
             raise ValueError(f"counts has {len(counts)} entries for {El} local experts")
         if len(set(counts)) == 1 and x_NM.is_cuda:
             # Equal counts (capacity mode) on a GPU: one bmm over all local experts, one launch.
-            # On the CPU the per-expert GEMMs below are faster: the bmm's backward (transposed
-            # batched operands) measured 9-15% slower than El plain GEMMs (docs/reliability.md).
+            # On the CPU the per-expert GEMMs below are as fast or faster (forward + backward,
+            # M=256, H=1024, one thread: El=2 109.0 vs 108.8 ms, El=8 107.0 vs 113.6 ms).
             n = counts[0]
             x = x_NM.view(El, n, x_NM.shape[-1])
             h = torch.bmm(x, self.w1_EMH)
