@@ -264,3 +264,23 @@ def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
     assert hw is not None and hw.flops > 0 and hw.inter.beta > 0 and "fp16" in hw.codecs
     shape = model.LayerShape(tokens=256, model_dim=64, hidden_dim=128, experts=2)
     assert prediction.predict(hw, shape, "schemoe", chunks=2).step_s > 0
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--layers", "-3"], "--layers must be >= 1, got -3"),
+        (["--tokens", "-5"], "--tokens must be >= 1, got -5"),
+        (["--experts", "8", "--top-k", "40"], "top_k=40 must be <= num_experts=8"),
+        (["--capacity-factor", "-1"], "capacity_factor must be >= 0.0, got -1.0"),
+        (["--capacity-factor", "inf"], "capacity_factor must be finite"),
+        (["--max-chunks", "0"], "--max-chunks must be >= 1, got 0"),
+    ],
+)
+def test_simulate_refuses_a_bad_shape_in_one_line_instead_of_printing_negative_times(
+    flags, want, capsys
+):
+    base = ["simulate", "--tokens", "1024", "--model-dim", "256", "--hidden-dim", "1024"]
+    assert cli.main([*base, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and want in err and "Traceback" not in err

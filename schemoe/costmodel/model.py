@@ -24,6 +24,7 @@ from functools import cached_property
 import torch
 
 from .. import compression
+from ..config import ExpertConfig, GateConfig
 from ..layout import Partition
 from ..scheduling import Direction, Task, TaskCosts, TaskGraph
 from .hardware import Hardware
@@ -212,11 +213,24 @@ class LayerShape:
     activation: str = "gelu"
     dtype_bytes: int = 4
 
+    def __post_init__(self) -> None:
+        # The layer's own configs check experts, k, f and the dims, naming the bad value.
+        GateConfig(
+            num_experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor
+        )
+        ExpertConfig(
+            model_dim=self.model_dim, hidden_dim=self.hidden_dim, activation=self.activation
+        )
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {self.tokens!r}")
+        if self.dtype_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
+
     @property
     def capacity(self) -> int:
-        """C = ceil(f k T / E) (gating/router.py); dropless (f = 0): the mean k T / E."""
+        """C = min(ceil(f k T / E), T) (gating/router.py); dropless (f = 0): the mean k T / E."""
         f = self.capacity_factor or 1.0
-        return math.ceil(f * self.top_k * self.tokens / self.experts)
+        return min(math.ceil(f * self.top_k * self.tokens / self.experts), self.tokens)
 
     @classmethod
     def of(cls, config, tokens: int, dtype_bytes: int = 4) -> LayerShape:

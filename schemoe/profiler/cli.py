@@ -159,7 +159,17 @@ def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
     return rows
 
 
+def _check_simulate(args: argparse.Namespace) -> None:
+    """Counts that the shape's own checks (LayerShape) do not see."""
+    for flag, lo in (("layers", 1), ("tokens", 1), ("seq_len", 0), ("max_chunks", 1),
+                     ("nodes", 1), ("ranks_per_node", 1), ("experts", 1)):  # fmt: skip
+        v = getattr(args, flag)
+        if v is not None and v < lo:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
+
+
 def _simulate(args: argparse.Namespace) -> int:
+    _check_simulate(args)
 
     if args.profile:
         hw = profiles.load(args.nodes, args.ranks_per_node, path=args.profile)
