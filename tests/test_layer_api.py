@@ -315,3 +315,17 @@ def test_ddp_that_manages_the_sharded_experts_is_refused_at_the_first_forward():
     for msg in spawn(_ddp_with_experts, 2, timeout=90):
         assert msg is not None and "DistributedDataParallel manages this MoE layer's" in msg
         assert "moe.experts." in msg and "ddp_ignore_experts" in msg
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_evaluation_builds_no_expert_graph(mode):
+    layer = MoELayer(cfg())
+    seen = []
+    layer.experts.register_forward_hook(lambda *_: seen.append(torch.is_grad_enabled()))
+    x = torch.randn(12, 8, requires_grad=True)
+    with getattr(torch, mode)():
+        y, _ = layer(x)
+    assert y.grad_fn is None and seen and not any(seen)  # experts ran with grad off
+    seen.clear()
+    layer(x)[0].sum().backward()  # training still builds it
+    assert all(seen) and x.grad is not None
