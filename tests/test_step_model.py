@@ -95,3 +95,29 @@ def test_validate_reads_a_bench_step_output_and_predicts_each_row(tmp_path, caps
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["configurations"] == 2  # the DeepSpeed row is not modelled
     assert all(p["predicted_ms"] > 0 for p in out["points"])
+
+
+def test_simulate_step_prices_every_candidate_and_chooses_the_fastest(capsys):
+    argv = ["simulate", "--step", "--preset", "local", "--nodes", "2", "--ranks-per-node", "2",
+            "--seq-len", "32", "--batch", "4", "--layers", "4", "--model-dim", "64",
+            "--hidden-dim", "128", "--grad-compressors", "none,bf16", "--max-chunks", "4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = out["results"]
+    keys = {(r["policy"], r["chunks"], r["grad_sync"], r["grad_compress"]) for r in rows}
+    # sequential/tutel/schemoe take r in 1, 2, 4; fastermoe (peers partition) r <= 4 ranks too
+    assert len(keys) == len(rows) == 4 * 3 * 2 * 2
+    times = [r["predicted_ms"] for r in rows]
+    assert times == sorted(times) and out["chosen"] == rows[0] and times[0] > 0
+    by = {(r["policy"], r["chunks"], r["grad_sync"], r["grad_compress"]): r for r in rows}
+    # bf16 buckets halve the all-reduce bytes: less network time, never a slower step
+    for (pol, r, sync, comp), row in by.items():
+        if comp == "bf16":
+            twin = by[(pol, r, sync, "none")]
+            assert row["network_ms"] < twin["network_ms"]
+            assert row["predicted_ms"] <= twin["predicted_ms"] + 1e-9
+
+
+def test_simulate_without_tokens_or_step_says_what_it_needs(capsys):
+    assert cli.main(["simulate", "--model-dim", "64", "--hidden-dim", "128"]) == 2
+    assert "simulate needs --tokens" in capsys.readouterr().err

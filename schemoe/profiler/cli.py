@@ -34,7 +34,7 @@ from ..costmodel.tune import explore
 from ..testbed.units import parse_rate
 from ..topology import Topology, launcher_local_rank
 from ..trace import gantt
-from . import measure, steps
+from . import measure, simstep, steps
 
 __all__ = ["register"]
 
@@ -179,6 +179,10 @@ def _simulate(args: argparse.Namespace) -> int:
         hw = preset(args.preset)
     if args.nodes or args.ranks_per_node:
         hw = hw.with_topology(args.nodes or hw.nodes, args.ranks_per_node or hw.ranks_per_node)
+    if args.step:
+        return simstep.run(args, hw)
+    if args.tokens is None:
+        raise ValueError("simulate needs --tokens (tokens per rank), or --step for a whole step")
     shape = _shape(args, hw)
     # Attention (not simulated by the MoE model): 8 D^2 + 4 L D FLOP per token forward, x3.
     dense = 0.0
@@ -386,8 +390,9 @@ def register(subparsers) -> None:
     s.add_argument("--profile", default=None, help="a profile cache file instead of a preset")
     s.add_argument("--nodes", type=int, default=None, help="override the preset's node count")
     s.add_argument("--ranks-per-node", type=int, default=None, help="override the preset's")
-    s.add_argument("--layers", type=int, default=1, help="MoE layers per step")
-    s.add_argument("--tokens", type=int, required=True, help="tokens per rank (B x L)")
+    s.add_argument("--layers", type=int, default=1,
+                   help="MoE layers per step (--step: the GPT's blocks, as in schemoe train)")  # fmt: skip
+    s.add_argument("--tokens", type=int, default=None, help="tokens per rank (B x L); not with --step")
     s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
     s.add_argument("--model-dim", type=int, required=True, help="model dim M")
     s.add_argument("--hidden-dim", dest="hidden", type=int, required=True, help="expert hidden dim")
@@ -411,6 +416,7 @@ def register(subparsers) -> None:
     s.add_argument("--systems", action="store_true", help="also each system as it ships")
     s.add_argument("--ablation", action="store_true", help="also the paper's ablation ladder")
     s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")
+    simstep.add_arguments(s)
     s.set_defaults(func=guard("schemoe simulate", _simulate))
 
     v = subparsers.add_parser("validate", help="simulated vs measured `schemoe bench layer` rows")

@@ -1,0 +1,83 @@
+"""`schemoe simulate --step`: the whole training step of `schemoe train`'s GPT, predicted for every
+(policy, r, gradient sync, gradient compressor) on a preset or a profile (costmodel/step.py),
+and the configuration auto would choose for the step.
+
+    schemoe simulate --step --preset local --nodes 2 --ranks-per-node 2 --batch 8 --seq-len 64 \\
+        --layers 4 --model-dim 256 --hidden-dim 512 [--grad-compressors none,bf16]
+
+Ends with one JSON line: {"preset", "results": [{"policy", "chunks", "grad_sync",
+"grad_compress", "predicted_ms", "network_ms"}, ...] (fastest first), "chosen": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..costmodel.hardware import Hardware
+from ..costmodel.step import StepShape, explore_step
+
+__all__ = ["add_arguments", "run"]
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--step: the GPT of schemoe train (its flags)").add_argument
+    g("--step", action="store_true", help="predict whole training steps of schemoe train's GPT")
+    g("--batch", type=int, default=8, help="--step: sequences per rank")
+    g("--heads", type=int, default=4, help="--step: attention heads")
+    g("--moe-every", type=int, default=2, help="--step: an MoE FFN in every n-th block")
+    g("--grad-syncs", type=_csv, default=("ddp", "scheduled"), help="--step: comma list")
+    g("--grad-compressors", type=_csv, default=("none",),
+      help="--step: comma list of none, bf16, fp16")  # fmt: skip
+    g("--grad-algorithm", choices=("flat", "hier"), default="flat",
+      help="--step: the scheduled sync's algorithm")  # fmt: skip
+    g("--bucket-mb", type=float, default=1.0, help="--step: DDP bucket MiB")
+    g("--algorithm", default="naive", help="--step: the all-to-all algorithm")
+
+
+def run(args: argparse.Namespace, hw: Hardware) -> int:
+    if args.seq_len < 1 or args.batch < 1:
+        raise ValueError(f"--step needs --seq-len and --batch >= 1, got {args.seq_len}, {args.batch}")
+    shape = StepShape(
+        batch=args.batch,
+        seq_len=args.seq_len,
+        model_dim=args.model_dim,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        moe_every=args.moe_every,
+        experts=args.experts or 2 * hw.world,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+    )
+    shape.layer()  # the MoE layer's shape checks its own fields
+    chunks = tuple(r for r in (1, 2, 4, 8, 16) if r <= args.max_chunks)
+    preds = explore_step(
+        hw, shape, chunks=chunks, grad_syncs=args.grad_syncs,
+        grad_compressors=args.grad_compressors, algorithm=args.algorithm,
+        grad_algorithm=args.grad_algorithm, bucket_bytes=args.bucket_mb * 2**20,
+    )  # fmt: skip
+    rows = [
+        {**row, "predicted_ms": round(p.step_s * 1e3, 3), "network_ms": round(p.network_s * 1e3, 3)}
+        for row, p in preds
+    ]
+    print(
+        f"# schemoe simulate --step: preset {hw.name}, {hw.nodes} x {hw.ranks_per_node} ranks, "
+        f"GPT {shape.layers} blocks (MoE every {shape.moe_every}), B={shape.batch} "
+        f"L={shape.seq_len} M={shape.model_dim} H={shape.hidden} E={shape.experts} "
+        f"k={shape.top_k} f={shape.capacity_factor}, all-to-all {args.algorithm}"
+    )
+    print(f"{'policy':>10} {'r':>2} {'grad_sync':>9} {'grad_compress':>13} {'step ms':>10} {'network ms':>10}")
+    for row in rows:
+        print(
+            f"{row['policy']:>10} {row['chunks']:>2} {row['grad_sync']:>9} "
+            f"{row['grad_compress']:>13} {row['predicted_ms']:>10.3f} {row['network_ms']:>10.3f}"
+        )
+    out = {"preset": hw.name, "results": rows, "chosen": rows[0]}
+    print(f"chosen: {rows[0]}")
+    print(json.dumps(out))
+    return 0
