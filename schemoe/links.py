@@ -33,7 +33,9 @@ def _rate(text: str, what: str) -> float | None:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{what} rate {text!r}: expected bit/s (e.g. 4e+08) or 'unshaped'") from None
+        raise ValueError(
+            f"{what} rate {text!r}: expected bit/s (e.g. 4e+08) or 'unshaped'"
+        ) from None
 
 
 @dataclass(frozen=True)

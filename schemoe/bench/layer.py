@@ -221,7 +221,7 @@ def _bench(args: argparse.Namespace, env) -> None:
     cands["parts:compute"] = _step(single.to(dtype), x, g)
     cands["parts:comm"] = _comm_only(first, args, world, dtype)
     tuners = {
-        name: AutoTuner(layer, profile_path=args.profile)
+        name: AutoTuner(layer, profile_path=args.profile, links=env.links)
         for name, layer in layers.items()
         if layer.config.schedule.policy in TUNED
     }
@@ -241,10 +241,9 @@ def _bench(args: argparse.Namespace, env) -> None:
             row.update(policy=f"auto:{run['policy']}", algorithm=run["algorithm"],
                        compressor=run["compression"], chunks=run["chunks"])  # fmt: skip
         if args.predict and name in layers:
-            rate = env.testbed.rate_bps if env.testbed else None
             shape = (world // env.ranks_per_node, env.ranks_per_node)
             row["predicted_ms"] = predict_ms(
-                layers[name].running, args.tokens, shape, rate_bps=rate, path=args.profile
+                layers[name].running, args.tokens, shape, env.links, path=args.profile
             )
     compute, comm = stats["parts:compute"].median_ms, stats["parts:comm"].median_ms
     parts = [{"policy": "parts", "algorithm": "compute only", "compressor": "-", "chunks": "-",
@@ -256,6 +255,8 @@ def _bench(args: argparse.Namespace, env) -> None:
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
     trials = [row for tuner in tuners.values() for row in tuner.report]
+    measured = [row for tuner in tuners.values() for row in tuner.measured]
+    head += [f"# auto profile (one-time, no profile stored): {m}" for m in measured]
     head += [f"# auto trial: {t}" for t in trials]
     summary = {
         "results": rows,
@@ -267,6 +268,8 @@ def _bench(args: argparse.Namespace, env) -> None:
         "world_size": world,
         "ranks_per_node": env.ranks_per_node,
         "auto_trials": trials,
+        "auto_profile": measured,
+        "profile_key": env.profile_key(world),
     }
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
     timer.report(head, rows + parts, cols, summary)

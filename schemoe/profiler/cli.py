@@ -1,10 +1,17 @@
 """`schemoe profile` (fit the cost model here), `simulate` (plan on a preset), `validate`.
 
-    schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit] [--path FILE]
-    schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile --link-rate 400mbit
+    schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit [--intra-rate 100mbit
+        [--intra-link separate]]] [--path FILE]
+    schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile
     schemoe simulate --preset paper-32gpu --layers 12 --tokens 4096 --model-dim 2048 \\
         --hidden 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
     schemoe validate BENCH.txt=PROFILE.json ... [--png sim_vs_measured.png]
+
+A profile is stored under the key of the topology and links it was measured under
+(`costmodel.profiles.cache_key`): on the testbed the ranks read its rates (`Links.of_run`),
+elsewhere they are "unshaped" unless --link-rate / --intra-rate say what the network is.
+`validate` uses only the record of the key each bench output names, and refuses a profile
+file without it (naming both keys).
 
 All three end with one JSON line. simulate's: {"preset", "results": [{"policy", "algorithm",
 "compressor", "chunks", "predicted_ms"}, ...] (one row per policy at its best configuration),
@@ -31,10 +38,12 @@ from ..costmodel.hardware import preset
 from ..costmodel.model import A2A_MODELS, LayerShape
 from ..costmodel.prediction import predict, predict_config
 from ..costmodel.tune import explore
+from ..links import Links
+from ..probe import measure
 from ..testbed.units import parse_rate
 from ..topology import Topology, launcher_local_rank
 from ..trace import gantt
-from . import measure, steps
+from . import steps
 
 __all__ = ["register"]
 
@@ -53,7 +62,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
         hidden=opts["hidden"],
         tokens=opts["tokens"],
         experts=opts["experts"],
-        rate_bps=opts["rate_bps"],
+        links=opts["links"] or Links.of_run(),
         quick=opts["quick"],
     )
     if dist.get_rank() != 0:
@@ -79,6 +88,16 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
     return hw.to_json()
 
 
+def _links(args: argparse.Namespace) -> Links | None:
+    """The links --link-rate / --intra-rate / --intra-link describe, or None (the run's own)."""
+    if args.link_rate is None:
+        if args.intra_rate or args.intra_link:
+            raise ValueError("--intra-rate / --intra-link describe the links with --link-rate")
+        return None
+    intra = parse_rate(args.intra_rate, "intra-rate") if args.intra_rate else None
+    return Links(parse_rate(args.link_rate, "link-rate"), intra, args.intra_link or "shared")
+
+
 def _profile(args: argparse.Namespace) -> int:
 
     opts = {
@@ -89,7 +108,7 @@ def _profile(args: argparse.Namespace) -> int:
         "experts": args.experts,
         "quick": args.quick,
         "path": args.path,
-        "rate_bps": parse_rate(args.link_rate) if args.link_rate else None,
+        "links": _links(args),
         "device": args.device,
     }
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -162,9 +181,7 @@ def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
 def _simulate(args: argparse.Namespace) -> int:
 
     if args.profile:
-        hw = profiles.load(args.nodes, args.ranks_per_node, path=args.profile)
-        if hw is None:
-            raise ValueError(f"no profile for {args.nodes}x{args.ranks_per_node} in {args.profile}")
+        hw = _only_or_keyed(args.profile, args.key)
     else:
         hw = preset(args.preset)
     if args.nodes or args.ranks_per_node:
@@ -232,9 +249,34 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _only_or_keyed(path: str, key: str | None):
+    """The record stored under `key` in `path`, or its only record when key is None."""
+    stored = profiles.keys(path)
+    if key is None and len(stored) == 1:
+        key = stored[0]
+    hw = profiles.load(key, path) if key else None
+    if hw is None:
+        want = f"no profile {key!r}" if key else "several profiles"
+        raise ValueError(f"{want} in {path} (it holds {stored or 'none'}); pass --key KEY")
+    return hw
+
+
+def _run_key(summary: dict, path: str) -> str:
+    """The profile key of the run a bench output records ("profile_key"; outputs older than it:
+    from its world size, ranks per node and link rate, intra unshaped)."""
+    if "profile_key" in summary:
+        return summary["profile_key"]
+    world, rpn = summary.get("world_size"), summary.get("ranks_per_node")
+    if not (world and rpn):
+        raise ValueError(f"{path} records no profile key nor world_size / ranks_per_node")
+    rate = summary.get("link_rate_gbps")
+    return profiles.cache_key(world // rpn, rpn, Links(rate * 1e9 if rate else None))
+
+
 def _bench_rows(path: str) -> tuple[dict, list[dict]]:
     """(config, measured rows) of a saved `schemoe bench layer` output: its '# config:' header
-    line and its last JSON line (rows with a modelled algorithm, auto's row left out)."""
+    line (plus the run's profile key as config["profile_key"]) and its last JSON line (rows
+    with a modelled algorithm, auto's row left out)."""
     config, summary = {}, None
     with open(path) as f:
         for line in f:
@@ -244,6 +286,7 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
                 summary = json.loads(line)
     if summary is None or not config:
         raise ValueError(f"{path} holds no `schemoe bench layer` header and JSON line")
+    config["profile_key"] = _run_key(summary, path)
 
     # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
     rows = summary["results"]
@@ -263,9 +306,14 @@ def _validate(args: argparse.Namespace) -> int:
     for spec in args.runs:
         bench, _, prof = spec.partition("=")
         cfg, rows = _bench_rows(bench)
-        hw = profiles.load(None, None, path=prof or args.profile)
-        if hw is None:
-            raise ValueError(f"no profile in {prof or args.profile}")
+        prof, key = prof or args.profile, cfg["profile_key"]
+        hw = profiles.load(key, prof)
+        if hw is None:  # a profile of other links or another topology predicts another run
+            raise ValueError(
+                f"{bench} ran as {key!r}, but {prof or profiles.DEFAULT_PATH} holds "
+                f"{profiles.keys(prof) or 'no profile'}: profile under the run's links "
+                "(`schemoe profile` on the same testbed / --link-rate, --intra-rate)"
+            )
         for row in rows:
             if steps.is_step_row(row):
                 points.append(steps.point(cfg, row, hw))
@@ -359,7 +407,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="fit the cost model's constants on this cluster")
     p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: nproc / 2")
-    p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. 1gbit")
+    p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. "
+                   "1gbit (default: the testbed's when run on it, else unshaped)")  # fmt: skip
+    p.add_argument("--intra-rate", default=None, help="with --link-rate: the intra-node rate")
+    p.add_argument("--intra-link", choices=("shared", "separate"), default=None,
+                   help="with --intra-rate: what a rank link shapes (testbed --intra-link)")  # fmt: skip
     p.add_argument("--path", default=None, help="cache file (default ~/.cache/schemoe/...)")
     p.add_argument("--model-dim", type=int, default=512, help="the layer shape to fit at")
     p.add_argument("--hidden", type=int, default=1024)
@@ -374,6 +426,8 @@ def register(subparsers) -> None:
     s = subparsers.add_parser("simulate", help="predicted step time per policy on a preset")
     s.add_argument("--preset", default="paper-32gpu", help="local, paper-32gpu, h100-64gpu")
     s.add_argument("--profile", default=None, help="a profile cache file instead of a preset")
+    s.add_argument("--key", default=None, help="with --profile: the record's key (default: the "
+                   "file's only one)")  # fmt: skip
     s.add_argument("--nodes", type=int, default=None, help="override the preset's node count")
     s.add_argument("--ranks-per-node", type=int, default=None)
     s.add_argument("--layers", type=int, default=1)
