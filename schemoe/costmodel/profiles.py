@@ -73,7 +73,8 @@ def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:
 
 
 def fit_gemm(gemms: Sequence[int], flops: Sequence[float], seconds: Sequence[float]):
-    """(alpha per GEMM, FLOP/s) of t = g alpha + F / flops, least squares on two regressors."""
+    """(alpha per GEMM, FLOP/s) of t = g alpha + F / flops, least squares on two regressors;
+    where that gives alpha < 0 or flops <= 0, t = F / flops through the origin."""
     s11 = sum(g * g for g in gemms)
     s12 = sum(g * f for g, f in zip(gemms, flops))
     s22 = sum(f * f for f in flops)
@@ -81,7 +82,7 @@ def fit_gemm(gemms: Sequence[int], flops: Sequence[float], seconds: Sequence[flo
     b2 = sum(f * t for f, t in zip(flops, seconds))
     det = s11 * s22 - s12 * s12
     alpha, inv = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    if alpha < 0:
+    if alpha < 0 or inv <= 0:  # inv <= 0: tiny GEMMs, the FLOP term lost in per-call noise
         alpha, inv = 0.0, b2 / s22
     return alpha, 1.0 / inv
 

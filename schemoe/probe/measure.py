@@ -10,7 +10,7 @@ contends as it does in training; a sample's time is the slowest rank's, from
      most a local rank sends to its node; what the node sends over its NIC); least squares
      fits t = alpha + bytes / beta for each, and the points themselves are kept as the link's
      measured curve (`Link.points`), which the model follows. One node: the plain all-to-all
-     fits both;
+     fits both; one rank: both are a local copy at the memory rate (step 3);
   2. experts: the batched FFN forward and backward at a few row counts: t = g alpha + FLOP / flops
      (g GEMM calls) by least squares;
   3. memory: index_select of rows at a few sizes: bytes / second; stream: an in-place add (a
@@ -195,8 +195,12 @@ def _measure(topo, model_dim, hidden, tokens, experts, links, quick, calibrated,
     E = experts or 2 * topo.world
     sizes = (256 << 10, 1 << 20, 4 << 20) if quick else (128 << 10, 512 << 10, 2 << 20, 8 << 20)
     rows = (32, 256) if quick else (16, 128, 1024)
-    intra, inter, pts = _links(topo, sizes, repeats)
     memory, stream, codecs = _memory_and_codecs(model_dim, repeats, topo.group)
+    if topo.world > 1:
+        intra, inter, pts = _links(topo, sizes, repeats)
+    else:  # nothing leaves a one-rank group: its all-to-all is a local copy
+        intra = inter = Link(0.0, memory)
+        pts = {}
     gemm_alpha, flops, pts["experts"] = _experts(model_dim, hidden, rows, repeats, topo.group)
     backend = dist.get_backend(topo.group) if dist.is_initialized() else "gloo"
     host_ranks, cores = _host_sharing(topo.group)
