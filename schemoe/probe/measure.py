@@ -22,7 +22,8 @@ contends as it does in training; a sample's time is the slowest rank's, from
      all ranks (sequential, r = 1) `comm_cpu`. Left out with calibrated=False (the quick
      profile of the auto tuner, which times the real layer itself).
 
-quick=True: 3 repeats instead of 7, link sizes 256 KB, 1 MB, 4 MB, GEMMs at 32 and 256 rows.
+quick=True: 3 repeats instead of 7, link sizes 256 KB, 1 MB, 4 MB, GEMMs at 16 and 64 rows
+(per expert), copies at 256-4096 rows, codecs at 64 and 512 rows.
 The result is a `Hardware` record carrying the `Links` it was measured under;
 `costmodel.profiles.save` stores it under `profiles.key_of(hw)`.
 """
@@ -120,9 +121,9 @@ def _experts(model_dim: int, hidden: int, rows: Sequence[int], repeats: int, gro
     return (*fit_gemm(g, f, t), list(zip(g, f, t)))
 
 
-def _memory_and_codecs(model_dim: int, repeats: int, group):
+def _memory_and_codecs(model_dim: int, repeats: int, group, quick: bool = False):
     cands, nbytes = {}, {}
-    for n in (512, 2048, 8192):
+    for n in (256, 1024, 4096) if quick else (512, 2048, 8192):
         x = torch.randn(n, model_dim)
         cands["copy", n] = partial(x.index_select, 0, torch.randperm(n, device=x.device))
         nbytes["copy", n] = x.numel() * 4
@@ -136,7 +137,7 @@ def _memory_and_codecs(model_dim: int, repeats: int, group):
             comp = compression.build(name)
         except ImportError:
             continue
-        for n in (256, 2048):
+        for n in (64, 512) if quick else (256, 2048):
             x = torch.randn(n, model_dim)
             cands[name + ".enc", n] = partial(comp.encode, x)
             cands[name + ".dec", n] = partial(comp.decode, comp.encode(x), torch.float32, model_dim)
@@ -194,8 +195,8 @@ def _measure(topo, model_dim, hidden, tokens, experts, links, quick, calibrated,
     repeats = 3 if quick else 7
     E = experts or 2 * topo.world
     sizes = (256 << 10, 1 << 20, 4 << 20) if quick else (128 << 10, 512 << 10, 2 << 20, 8 << 20)
-    rows = (32, 256) if quick else (16, 128, 1024)
-    memory, stream, codecs = _memory_and_codecs(model_dim, repeats, topo.group)
+    rows = (16, 64) if quick else (16, 128, 1024)
+    memory, stream, codecs = _memory_and_codecs(model_dim, repeats, topo.group, quick)
     if topo.world > 1:
         intra, inter, pts = _links(topo, sizes, repeats)
     else:  # nothing leaves a one-rank group: its all-to-all is a local copy
