@@ -118,7 +118,10 @@ def _read(path: str) -> dict[str, dict]:
         data = json.load(f)
     out = {}
     for key, d in data.items():
-        nodes, rpn, links = parse_key(key)
+        try:
+            nodes, rpn, links = parse_key(key)
+        except ValueError as e:
+            raise ValueError(f"profile store {path}: {e}") from None
         d = {**d, "link_rate_bps": links.inter_bps, "intra_rate_bps": links.intra_bps,
              "intra_link": links.intra_link}  # fmt: skip
         out[cache_key(nodes, rpn, links)] = d
