@@ -194,3 +194,23 @@ def test_auto_without_a_profile_measures_once_stores_it_under_the_runs_key_and_r
         assert second == [] and [m["key"] for m in third] == [ranked]
         assert rank["keys"] == [shaped, ranked] and rank["stored_links"] == SHAPED
     assert out[0]["measured"][0] == out[1]["measured"][0]  # rank 0's fit and time, on both
+
+
+def test_simulate_on_a_store_of_several_profiles_needs_the_key_it_wants(tmp_path, capsys):
+    prof = str(tmp_path / "p.json")
+    profiles.save(_hw(Links(3e8)), prof)
+    profiles.save(_hw(SHAPED), prof)
+    argv = [
+        "simulate",
+        "--profile",
+        prof,
+        "--tokens",
+        "256",
+        "--model-dim",
+        "64",
+        "--hidden",
+        "128",
+    ]
+    assert cli.main(argv) == 2
+    assert "--key" in capsys.readouterr().err
+    assert cli.main([*argv, "--key", profiles.cache_key(2, 2, SHAPED)]) == 0
