@@ -72,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add the cost model's predicted_ms to each row (needs `schemoe profile` first)",
     )
-    p.add_argument("--profile", default=None, metavar="PATH", help="profile cache for --predict")
+    p.add_argument(
+        "--profile", default=None, metavar="PATH", help="profile store for --predict and auto"
+    )
     p.add_argument(
         "--trace",
         default=None,
