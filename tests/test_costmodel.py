@@ -259,8 +259,11 @@ def test_cpu_ranks_sharing_cores_compute_faster_the_more_the_others_wait():
 def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
     path = str(tmp_path / "prof.json")
     argv = "profile --nproc 2 --ranks-per-node 1 --quick --model-dim 64 --hidden 128 --path"
-    assert cli.main([*argv.split(), path]) == 0
-    hw = profiles.load("2x1@inter=unshaped,intra=unshaped", path)
+    described = "--link-rate 300mbit --intra-rate 100mbit"  # what the network is: the key's
+    assert cli.main([*argv.split(), path, *described.split()]) == 0
+    assert profiles.keys(path) == ["2x1@inter=3e+08,intra=1e+08"]
+    hw = profiles.load("2x1@inter=3e+08,intra=1e+08", path)
     assert hw is not None and hw.flops > 0 and hw.inter.beta > 0 and "fp16" in hw.codecs
+    assert (hw.link_rate_bps, hw.intra_rate_bps) == (3e8, 1e8)
     shape = model.LayerShape(tokens=256, model_dim=64, hidden_dim=128, experts=2)
     assert prediction.predict(hw, shape, "schemoe", chunks=2).step_s > 0

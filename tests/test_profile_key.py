@@ -214,3 +214,10 @@ def test_simulate_on_a_store_of_several_profiles_needs_the_key_it_wants(tmp_path
     assert cli.main(argv) == 2
     assert "--key" in capsys.readouterr().err
     assert cli.main([*argv, "--key", profiles.cache_key(2, 2, SHAPED)]) == 0
+
+
+def test_a_rate_fitted_on_samples_that_fall_with_size_stays_positive():
+    sizes = [1e3, 1e4, 1e5]
+    assert profiles.fit_rate(sizes, [1e-3 + b * 1e-8 for b in sizes]) == pytest.approx(1e-8)
+    # A busy box: the smallest copy was the slowest. The largest sample's rate, not a negative.
+    assert profiles.fit_rate(sizes, [3e-3, 2e-3, 1e-3]) == pytest.approx(1e-3 / 1e5)

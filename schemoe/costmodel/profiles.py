@@ -26,6 +26,7 @@ __all__ = [
     "fit_gemm",
     "fit_line",
     "fit_link",
+    "fit_rate",
     "key_of",
     "keys",
     "load",
@@ -50,6 +51,16 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     if a < 0:
         a, s = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return a, s
+
+
+def fit_rate(nbytes: Sequence[float], seconds: Sequence[float]) -> float:
+    """Seconds per byte: the slope of `fit_line`, or, where noise makes it <= 0 (small, fast
+    samples on a busy box), the largest sample's seconds / bytes."""
+    s = fit_line(nbytes, seconds)[1]
+    if s > 0:
+        return s
+    b, t = max(zip(nbytes, seconds))
+    return t / b
 
 
 def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:

@@ -23,7 +23,7 @@ contends as it does in training; a sample's time is the slowest rank's, from
      profile of the auto tuner, which times the real layer itself).
 
 quick=True: 3 repeats instead of 7, link sizes 256 KB, 1 MB, 4 MB, GEMMs at 16 and 64 rows
-(per expert), copies at 256-4096 rows, codecs at 64 and 512 rows.
+(per expert), copies of 256 KB, 1 MB, 4 MB, codecs at 64 and 512 rows.
 The result is a `Hardware` record carrying the `Links` it was measured under;
 `costmodel.profiles.save` stores it under `profiles.key_of(hw)`.
 """
@@ -43,7 +43,7 @@ from ..collectives import build
 from ..config import ExpertConfig
 from ..costmodel.hardware import Hardware, Link
 from ..costmodel.model import LayerShape, expert_flops, split_bytes
-from ..costmodel.profiles import fit_gemm, fit_line, fit_link
+from ..costmodel.profiles import fit_gemm, fit_link, fit_rate
 from ..devices import comm_device
 from ..experts import BatchedFFN
 from ..links import Links
@@ -123,7 +123,8 @@ def _experts(model_dim: int, hidden: int, rows: Sequence[int], repeats: int, gro
 
 def _memory_and_codecs(model_dim: int, repeats: int, group, quick: bool = False):
     cands, nbytes = {}, {}
-    for n in (256, 1024, 4096) if quick else (512, 2048, 8192):
+    quick_rows = [max(1, b // (4 * model_dim)) for b in (256 << 10, 1 << 20, 4 << 20)]
+    for n in quick_rows if quick else (512, 2048, 8192):
         x = torch.randn(n, model_dim)
         cands["copy", n] = partial(x.index_select, 0, torch.randperm(n, device=x.device))
         nbytes["copy", n] = x.numel() * 4
@@ -146,10 +147,10 @@ def _memory_and_codecs(model_dim: int, repeats: int, group, quick: bool = False)
     pts: dict[str, list] = {}
     for key, t in times.items():
         pts.setdefault(key[0], []).append((nbytes[key], t))
-    memory = 1.0 / fit_line(*zip(*pts.pop("copy")))[1]
-    stream = 1.0 / fit_line(*zip(*pts.pop("stream")))[1]
+    memory = 1.0 / fit_rate(*zip(*pts.pop("copy")))
+    stream = 1.0 / fit_rate(*zip(*pts.pop("stream")))
     codecs = {
-        name: (fit_line(*zip(*pts[name + ".enc"]))[1], fit_line(*zip(*pts[name + ".dec"]))[1])
+        name: (fit_rate(*zip(*pts[name + ".enc"])), fit_rate(*zip(*pts[name + ".dec"])))
         for name in {k.rsplit(".", 1)[0] for k in pts}
     }
     return memory, stream, codecs
