@@ -221,3 +221,7 @@ def test_a_rate_fitted_on_samples_that_fall_with_size_stays_positive():
     assert profiles.fit_rate(sizes, [1e-3 + b * 1e-8 for b in sizes]) == pytest.approx(1e-8)
     # A busy box: the smallest copy was the slowest. The largest sample's rate, not a negative.
     assert profiles.fit_rate(sizes, [3e-3, 2e-3, 1e-3]) == pytest.approx(1e-3 / 1e5)
+
+
+def test_a_gemm_fit_on_one_sample_shape_puts_all_time_on_the_flops():
+    assert profiles.fit_gemm([2, 2], [1e9, 1e9], [0.1, 0.1]) == (0.0, pytest.approx(1e10))

@@ -92,7 +92,9 @@ def fit_gemm(gemms: Sequence[int], flops: Sequence[float], seconds: Sequence[flo
     b1 = sum(g * t for g, t in zip(gemms, seconds))
     b2 = sum(f * t for f, t in zip(flops, seconds))
     det = s11 * s22 - s12 * s12
-    alpha, inv = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    alpha = inv = -1.0
+    if det > 1e-9 * s11 * s22:  # else one sample shape (noise dropped the rest): no alpha to fit
+        alpha, inv = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
     if alpha < 0 or inv <= 0:  # inv <= 0: tiny GEMMs, the FLOP term lost in per-call noise
         alpha, inv = 0.0, b2 / s22
     return alpha, 1.0 / inv
