@@ -16,6 +16,7 @@ from schemoe.autotune import AutoTuner
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import preset
 from schemoe.links import Links
+from schemoe.probe.measure import UNCALIBRATED
 
 SHAPED = Links(inter_bps=4e8)
 RANK_LINKS = Links(inter_bps=3e8, intra_bps=1e8)
@@ -225,3 +226,11 @@ def test_a_rate_fitted_on_samples_that_fall_with_size_stays_positive():
 
 def test_a_gemm_fit_on_one_sample_shape_puts_all_time_on_the_flops():
     assert profiles.fit_gemm([2, 2], [1e9, 1e9], [0.1, 0.1]) == (0.0, pytest.approx(1e10))
+
+
+def test_validate_says_when_the_runs_profile_is_autos_uncalibrated_quick_one(tmp_path, capsys):
+    prof = str(tmp_path / "p.json")
+    profiles.save(dataclasses.replace(_hw(SHAPED), notes=f"quick, {UNCALIBRATED}"), prof)
+    run_key = profiles.cache_key(2, 2, SHAPED)
+    assert cli.main(["validate", f"{_bench_output(tmp_path, run_key)}={prof}"]) == 0
+    assert f"# {run_key}: a quick profile" in capsys.readouterr().out

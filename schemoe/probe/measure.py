@@ -50,7 +50,9 @@ from ..links import Links
 from ..timing import measure as timed_rounds
 from .calibrate import calibrate
 
-__all__ = ["measure", "timed"]
+__all__ = ["UNCALIBRATED", "measure", "timed"]
+
+UNCALIBRATED = "layer steps not calibrated"  # in the notes of a record measured calibrated=False
 
 
 def timed(cands: dict, repeats: int, group=None) -> dict:
@@ -225,7 +227,7 @@ def _measure(topo, model_dim, hidden, tokens, experts, links, quick, calibrated,
         host_cores=cores,
         notes=f"fitted at T={tokens}, D={model_dim}, H={hidden}, E={E}"
         + (", quick" if quick else "")
-        + ("" if calibrated else ", layer steps not calibrated"),
+        + ("" if calibrated else f", {UNCALIBRATED}"),
     )
     if calibrated:
         hw = calibrate(hw, topo, LayerShape(tokens, model_dim, hidden, E), repeats, timed)

@@ -19,6 +19,7 @@ from ..costmodel import profiles
 from ..costmodel.model import A2A_MODELS
 from ..costmodel.prediction import predict_config
 from ..links import Links
+from ..probe.measure import UNCALIBRATED
 from . import steps
 
 __all__ = ["run"]
@@ -77,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{profiles.keys(prof) or 'no profile'}: profile under the run's links "
                 "(`schemoe profile` on the same testbed / --link-rate, --intra-rate)"
             )
+        if UNCALIBRATED in hw.notes:
+            print(f"# {key}: a quick profile ({hw.notes}); `schemoe profile` fits a full one")
         for row in rows:
             if steps.is_step_row(row):
                 points.append(steps.point(cfg, row, hw))
