@@ -16,6 +16,7 @@ from schemoe.autotune import AutoTuner
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import preset
 from schemoe.links import Links
+from schemoe.probe import measure as probe
 from schemoe.probe.measure import UNCALIBRATED
 
 SHAPED = Links(inter_bps=4e8)
@@ -156,8 +157,6 @@ def _tune(model: nn.Module, path: str, links: Links) -> AutoTuner:
 
 
 def _auto_measures_once_per_key(rank, world, path):
-    from schemoe.probe import measure as probe
-
     calls, real = [], probe.measure
 
     def counted(*args, **kw):
