@@ -10,13 +10,19 @@ The tuner attaches forward hooks (PyTorch's own seam) and reconfigures layers wi
 `MoELayer.configure`; a layer never imports the cost model. On a layer's first call, with rank
 0's token count (broadcast, so every rank decides the same):
 
-  * policy "search": the layer gets the CostModel of its shape on the stored profile of its
-    topology (`costmodel.profiles`), else on the `local` preset (logged), and the search policy
-    orders its tasks by it;
+  * the Hardware record to plan on: `hardware=` if given; else the profile stored under the
+    run's key (`profiles.cache_key` of the layer's topology and the run's `Links`, by default
+    `Links.of_run()`: the testbed's rates when on it, else unshaped), read by rank 0; else a
+    quick profile (`schemoe.probe.measure(quick=True, calibrated=False)` at the layer's shape:
+    links, copies, codecs, expert GEMMs), measured once by every rank of the layer's group
+    together, rank 0's fit broadcast, stored under the run's key and logged with what it took
+    (`tuner.measured`). Never another topology's or link rate's record;
+  * policy "search": the layer gets the CostModel of its shape on that record, and the search
+    policy orders its tasks by it;
   * policy "auto": the cost model (`costmodel.tune`) shortlists the `shortlist` most promising
-    configurations, on the stored profile or, when there is none, the `local` preset (logged);
-    with trials > 0 the layer's next calls run them in turn, timed, and the fastest measured one
-    is kept; trials = 0: the model's first choice, unmeasured.
+    configurations on that record; with trials > 0 the layer's next calls run them in turn,
+    timed, and the fastest measured one is kept; trials = 0: the model's first choice,
+    unmeasured.
 
 Why measure at all: the simulator's error (docs/costmodel.md) is often larger than the gaps
 between a layer's best few configurations, and largest exactly where they differ (per-chunk costs, FasterMoE's uneven peer groups, CPU ranks contending for cores). So the
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +55,14 @@ from torch import nn
 from . import trace
 from .config import MoEConfig
 from .costmodel import profiles
-from .costmodel.hardware import Hardware, preset
+from .costmodel.hardware import Hardware
 from .costmodel.model import A2A_MODELS, CostModel, LayerShape
 from .costmodel.prediction import topology_of
 from .costmodel.tune import choose_shortlist
 from .devices import control_tensor
 from .layer import NEEDS_TUNER, MoELayer
+from .links import Links
+from .probe import measure
 from .topology import Topology
 
 __all__ = ["AutoTuner", "Trials", "cost_model_for", "resolve"]
@@ -77,58 +86,38 @@ def resolve(
     config: MoEConfig,
     tokens: int,
     topology: Topology | tuple[int, int],
-    hardware: Hardware | None = None,
-    profile_path: str | None = None,
+    hardware: Hardware,
     n: int = 1,
 ) -> list[MoEConfig]:
     """[config] unless its policy is "auto"; else the cost model's shortlist of up to n
-    configurations (fastest predicted first) on `hardware`, else the stored profile of this
-    topology, else the `local` preset (logged).
+    configurations (fastest predicted first) on `hardware`.
 
     Collective when the group has several ranks: rank 0 of `topology.group` decides and
-    broadcasts, so every rank runs the same configuration even if their profile stores differ.
-    Call it on every rank with the same `tokens`. The budget is the config's accuracy_budget."""
+    broadcasts, so every rank runs the same configuration. Call it on every rank with the same
+    `tokens`. The budget is the config's accuracy_budget."""
     if config.schedule.policy != "auto":
         return [config]
-    nodes, rpn = topology_of(topology)
-
-    def decide() -> list[MoEConfig]:
-        hw = hardware or profiles.load(nodes, rpn, path=profile_path)
-        if hw is None:
-            log.info("autotune: no stored profile for %dx%d; using the 'local' preset", nodes, rpn)
-            hw = preset("local")
-        budget = config.schedule.accuracy_budget
-        return choose_shortlist(config, tokens, (nodes, rpn), hw, budget, n)
-
-    return _from_rank0(decide, topology)
+    topo = topology_of(topology)
+    budget = config.schedule.accuracy_budget
+    return _from_rank0(
+        lambda: choose_shortlist(config, tokens, topo, hardware, budget, n), topology
+    )
 
 
 def cost_model_for(
     config: MoEConfig,
     tokens: int,
-    topology: Topology,
-    hardware: Hardware | None = None,
-    path: str | None = None,
+    topology: Topology | tuple[int, int],
+    hardware: Hardware,
     dtype_bytes: int = 4,
 ) -> CostModel | None:
-    """The CostModel of this layer call for the search policy: on `hardware`, else the stored
-    profile of the topology, else the `local` preset (logged); rank 0's, broadcast: every rank's
-    search must build the same schedule, since transfers are collectives. None when the
-    algorithm has no cost model. Collective when the group has several ranks."""
-    nodes, rpn = topology_of(topology)
-
-    def load() -> Hardware:
-        hw = hardware or profiles.load(nodes, rpn, path=path)
-        if hw is None:
-            log.info("autotune: no stored profile for %dx%d; using the 'local' preset", nodes, rpn)
-            hw = preset("local")
-        return hw
-
-    hw = _from_rank0(load, topology)
+    """The CostModel of this layer call for the search policy on `hardware` (give every rank
+    the same record: every rank's search must build the same schedule, since transfers are
+    collectives); None when the algorithm has no cost model."""
     if config.collective.algorithm not in A2A_MODELS:
         return None
     return CostModel(
-        hw.with_topology(nodes, rpn),
+        hardware.with_topology(*topology_of(topology)),
         LayerShape.of(config, tokens, dtype_bytes),
         config.collective.algorithm,
         (config.compression.forward, config.compression.backward),
@@ -221,9 +210,13 @@ class AutoTuner:
 
     Args:
         model: a module containing MoELayers (or a MoELayer).
-        hardware: the Hardware record to plan on (default: the stored profile of each layer's
-            topology, else the `local` preset for "auto").
-        profile_path: the profile store to read (default `costmodel.profiles.DEFAULT_PATH`).
+        hardware: the Hardware record to plan on (default: the profile stored under the run's
+            key, else a quick profile measured on the first call and stored; see above).
+        profile_path: the profile store (default `costmodel.profiles.DEFAULT_PATH`).
+        links: the links the run's ranks talk over, for its key (default `Links.of_run()`).
+
+    After the first calls, `measured` lists each quick profile this tuner took: its key, the
+    seconds it took (rank 0's) and what it measured.
     """
 
     def __init__(
@@ -232,10 +225,14 @@ class AutoTuner:
         *,
         hardware: Hardware | None = None,
         profile_path: str | None = None,
+        links: Links | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"AutoTuner needs an nn.Module, got {type(model).__name__}")
         self.hardware, self.profile_path = hardware, profile_path
+        self.links = links if links is not None else Links.of_run()
+        self.measured: list[dict] = []
+        self._records: dict[str, Hardware] = {}  # by key: one read or measurement per tuner
         self.layers = [
             m
             for m in model.modules()
@@ -269,8 +266,9 @@ class AutoTuner:
             tokens = int(t.item())  # host sync, once per layer
         tokens = max(tokens, 1)
         st.decided = True
+        hw = self._hardware(layer, tokens)
         if cfg.schedule.policy == "search":
-            costs = cost_model_for(cfg, tokens, topo, self.hardware, self.profile_path)
+            costs = cost_model_for(cfg, tokens, topo, hw)
             if costs is None:  # an algorithm without a cost model: nothing to search with
                 log.warning(
                     "autotune: no cost model for algorithm %r; policy 'search' runs the "
@@ -283,11 +281,61 @@ class AutoTuner:
             layer.configure(cfg, costs=costs)
             return
         n = cfg.schedule.shortlist if cfg.schedule.trials else 1
-        picks = resolve(cfg, tokens, topo, self.hardware, self.profile_path, n)
+        picks = resolve(cfg, tokens, topo, hw, n)
         if len(picks) == 1:
             layer.configure(picks[0])
         else:
             st.trials = Trials(picks, cfg.schedule.trials)
+
+    def _hardware(self, layer: MoELayer, tokens: int) -> Hardware:
+        """The record to plan `layer` on (collective over its group; see the module docstring)."""
+        if self.hardware is not None:
+            return self.hardware
+        topo = layer.topology
+        key = profiles.cache_key(topo.nodes, topo.ranks_per_node, self.links)
+        if key not in self._records:
+            hw = _from_rank0(lambda: profiles.load(key, self.profile_path), topo)
+            self._records[key] = hw or self._quick_profile(layer, tokens, key)
+        return self._records[key]
+
+    def _quick_profile(self, layer: MoELayer, tokens: int, key: str) -> Hardware:
+        """Measure, store and log a quick profile at `layer`'s shape (collective; once per key)."""
+        cfg, topo = layer.config, layer.topology
+        t0 = time.perf_counter()
+        # The measurement draws random inputs and runs backward: keep the caller's RNG stream
+        # and run with grad whatever mode the first call came in.
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            mine, _ = measure.measure(
+                topo,
+                model_dim=cfg.experts.model_dim,
+                hidden=cfg.experts.hidden_dim,
+                tokens=tokens,
+                experts=cfg.gate.num_experts,
+                links=self.links,
+                quick=True,
+                calibrated=False,
+                name=f"quick {key}",
+            )
+        seconds = time.perf_counter() - t0
+        hw, seconds = _from_rank0(lambda: (mine, seconds), topo)  # every rank plans on rank 0's
+        if topo.rank == 0:
+            profiles.save(hw, self.profile_path)
+        row = {
+            "key": key,
+            "seconds": round(seconds, 3),
+            "inter_gbps": round(hw.inter.beta * 8 / 1e9, 3),
+            "intra_gbps": round(hw.intra.beta * 8 / 1e9, 3),
+            "gflops": round(hw.flops / 1e9, 2),
+        }
+        self.measured.append(row)
+        log.info(
+            "autotune: no profile %r in %s; measured a quick one in %.2f s (inter %.3g Gbit/s, "
+            "intra %.3g Gbit/s, experts %.3g GFLOP/s) and stored it",
+            key, self.profile_path or profiles.DEFAULT_PATH, seconds, row["inter_gbps"],
+            row["intra_gbps"], row["gflops"],
+        )  # fmt: skip
+        return hw
 
     def _before(self, layer: MoELayer, args: tuple):
         st = self._state[layer]

@@ -173,12 +173,12 @@ def test_profiles_are_cached_by_topology_and_link_rate(tmp_path):
     path = str(tmp_path / "p.json")
     a = _hw(name="a", link_rate_bps=4e8)
     b = _hw(name="b", nodes=4, link_rate_bps=1e9)
-    assert profiles.save(a, path) == "2x2@4e+08"
+    assert profiles.save(a, path) == "2x2@inter=4e+08,intra=unshaped"
     profiles.save(b, path)
-    assert profiles.load(2, 2, path=path) == a
-    assert profiles.load(4, 2, rate_bps=1e9, path=path) == b
-    assert profiles.load(2, 2, rate_bps=1e9, path=path) is None
-    assert profiles.load(8, 8, path=path) is None
+    assert profiles.load("2x2@inter=4e+08,intra=unshaped", path) == a
+    assert profiles.load("4x2@inter=1e+09,intra=unshaped", path) == b
+    assert profiles.load("2x2@inter=1e+09,intra=unshaped", path) is None
+    assert profiles.load("2x2@inter=unshaped,intra=unshaped", path) is None
 
 
 def test_presets_describe_the_paper_cluster_and_an_h100_pod_and_round_trip_json():
@@ -259,9 +259,12 @@ def test_cpu_ranks_sharing_cores_compute_faster_the_more_the_others_wait():
 def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
     path = str(tmp_path / "prof.json")
     argv = "profile --nproc 2 --ranks-per-node 1 --quick --model-dim 64 --hidden-dim 128 --path"
-    assert cli.main([*argv.split(), path]) == 0
-    hw = profiles.load(2, 1, path=path)
+    described = "--link-rate 300mbit --intra-rate 100mbit"  # what the network is: the key's
+    assert cli.main([*argv.split(), path, *described.split()]) == 0
+    assert profiles.keys(path) == ["2x1@inter=3e+08,intra=1e+08"]
+    hw = profiles.load("2x1@inter=3e+08,intra=1e+08", path)
     assert hw is not None and hw.flops > 0 and hw.inter.beta > 0 and "fp16" in hw.codecs
+    assert (hw.link_rate_bps, hw.intra_rate_bps) == (3e8, 1e8)
     shape = model.LayerShape(tokens=256, model_dim=64, hidden_dim=128, experts=2)
     assert prediction.predict(hw, shape, "schemoe", chunks=2).step_s > 0
 

@@ -27,7 +27,7 @@ from schemoe.autotune import AutoTuner
 from schemoe.costmodel.hardware import preset
 from schemoe.lm import GPT, GPTConfig, evaluate
 from schemoe.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
-from schemoe.profiler.measure import measure
+from schemoe.probe.measure import measure
 from schemoe.topology import Topology
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")

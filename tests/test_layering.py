@@ -16,10 +16,10 @@ PKG = ROOT / "schemoe"
 # Bottom up. A module may import from its own layer or any layer below.
 LAYERS = [
     ("parts", ["config", "registry", "devices", "topology", "trace", "gating", "layout", "experts",
-               "collectives", "compression", "_cli_util"]),  # _cli_util: a leaf (error guard)
+               "collectives", "compression", "_cli_util", "links", "timing"]),  # _cli_util: a leaf
     ("scheduling", ["scheduling"]),
     ("planning", ["costmodel"]),
-    ("layer", ["dispatcher", "region", "layer", "autotune", "parallel"]),
+    ("layer", ["dispatcher", "region", "layer", "probe", "autotune", "parallel"]),
     ("training", ["gradsync", "lm", "train", "train_args", "checkpoint_files", "_lifeline", "checkpoint", "hf", "failures", "testing", "_dist"]),
     ("tools", ["profiler", "bench", "testbed", "cli", "__main__"]),
 ]  # fmt: skip
@@ -112,7 +112,8 @@ def test_the_layer_imports_nothing_from_the_cost_model_or_the_tuner():
 def test_import_schemoe_loads_no_planning_layer_tuner_or_tool():
     code = (
         "import sys, schemoe; print(sorted(m for m in sys.modules if m.startswith('schemoe.') "
-        "and m.split('.')[1] in ('costmodel', 'autotune', 'profiler', 'bench', 'testbed', 'cli')))"
+        "and m.split('.')[1] in ('costmodel', 'autotune', 'probe', 'profiler', 'bench', 'testbed', "
+        "'cli')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -89,7 +89,9 @@ def test_validate_reads_a_bench_step_output_and_predicts_each_row(tmp_path, caps
     bench.write_text(
         "# schemoe bench step\n# config: dim=64 hidden=128 experts=4 top_k=2 layers=4 heads=4 "
         "moe_every=2 f=1.25 seq_len=32 batch=4 algorithm=naive bucket_mb=1.0 "
-        "grad_algorithm=flat\n" + json.dumps({"results": rows}) + "\n"
+        "grad_algorithm=flat\n"
+        + json.dumps({"results": rows, "profile_key": profiles.key_of(_hw())})
+        + "\n"
     )
     assert cli.main(["validate", f"{bench}={prof}"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from .._cli_util import guard
+from ..costmodel.profiles import cache_key
+from ..links import Links
 from ..topology import launcher_local_rank
 
 __all__ = ["BenchEnv", "register"]
@@ -44,6 +46,15 @@ class BenchEnv:
     ranks_per_node: int
     testbed: object | None  # schemoe.testbed.Testbed when the ranks run on the testbed
     launched: bool = False  # ranks came from an outside launcher (torchrun, Slurm, testbed run)
+
+    @property
+    def links(self) -> Links:
+        """The run's links: the testbed's rates on it, else unshaped."""
+        return Links.of_run() if self.testbed else Links()
+
+    def profile_key(self, world: int) -> str:
+        """The profile key of this run (`costmodel.profiles.cache_key`)."""
+        return cache_key(world // self.ranks_per_node, self.ranks_per_node, self.links)
 
     @property
     def link_rate_gbps(self) -> float | None:

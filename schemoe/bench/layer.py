@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add the cost model's predicted_ms to each row (needs `schemoe profile` first)",
     )
-    p.add_argument("--profile", default=None, metavar="PATH", help="profile cache for --predict")
+    p.add_argument(
+        "--profile", default=None, metavar="PATH", help="profile store for --predict and auto"
+    )
     p.add_argument(
         "--trace",
         default=None,
@@ -263,7 +265,7 @@ def _bench(args: argparse.Namespace, env) -> None:
     algo = parts.algorithm(args.algorithms[0], env.ranks_per_node)
     cands["parts:comm"] = _comm_only(first.config.gate, algo, args, world, dtype)
     tuners = {
-        name: AutoTuner(layer, profile_path=args.profile)
+        name: AutoTuner(layer, profile_path=args.profile, links=env.links)
         for name, layer in layers.items()
         if layer.config.schedule.policy in TUNED
     }
@@ -283,10 +285,9 @@ def _bench(args: argparse.Namespace, env) -> None:
             row.update(policy=f"auto:{run['policy']}", algorithm=run["algorithm"],
                        compressor=run["compression"], chunks=run["chunks"])  # fmt: skip
         if args.predict and name in layers:
-            rate = env.testbed.rate_bps if env.testbed else None
             shape = (world // env.ranks_per_node, env.ranks_per_node)
             row["predicted_ms"] = predict_ms(
-                layers[name].running, args.tokens, shape, rate_bps=rate, path=args.profile
+                layers[name].running, args.tokens, shape, env.links, path=args.profile
             )
     host_ranks = parts.host_ranks(env, world)
     compute1, compute = parts.compute_bound(stats["parts:compute1"].median_ms, world, host_ranks)
@@ -300,6 +301,8 @@ def _bench(args: argparse.Namespace, env) -> None:
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
     trials = [row for tuner in tuners.values() for row in tuner.report]
+    measured = [row for tuner in tuners.values() for row in tuner.measured]
+    head += [f"# auto profile (one-time, no profile stored): {m}" for m in measured]
     head += [f"# auto trial: {t}" for t in trials]
     head.append(
         f"# parts: compute1 {compute1:.1f} ms (one rank alone), compute bound {compute:.1f} ms "
@@ -316,6 +319,8 @@ def _bench(args: argparse.Namespace, env) -> None:
         "world_size": world,
         "ranks_per_node": env.ranks_per_node,
         "auto_trials": trials,
+        "auto_profile": measured,
+        "profile_key": env.profile_key(world),
     }
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
     timer.report(head, rows + part_rows, cols, summary)

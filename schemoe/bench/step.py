@@ -305,6 +305,7 @@ def bench(args: argparse.Namespace, env) -> None:
         "compute_ms": compute_ms,
         "network_ms": nets,
         "link_rate_gbps": env.link_rate_gbps,
+        "profile_key": env.profile_key(world),
         "world_size": world,
         "ranks_per_node": rpn,
     }

@@ -5,10 +5,11 @@ configuration by simulation. Pure functions and data; nothing here measures or r
     model       per-task cost functions and CostModel (a layer on a cluster -> task durations)
     prediction  predict, predict_config: one configuration's simulated step
     tune        explore, shortlist, choose: the fastest configurations by simulation
-    profiles    the fits of measured samples, and the JSON store of records by topology
+    profiles    the fits of measured samples, and the JSON store of records by key (topology
+                and the link rates measured under: `cache_key`)
 
 The simulator and the `search` policy that consume a CostModel are `schemoe.scheduling`'s;
-measuring is `schemoe.profiler`'s; deciding for running layers is `schemoe.autotune`'s.
+measuring is `schemoe.probe`'s (run by `schemoe profile` and the auto tuner); deciding for running layers is `schemoe.autotune`'s.
 """
 
 from .hardware import PRESETS, Hardware, Link, preset

@@ -25,6 +25,8 @@ and FLOP:
                  host_ranks computing at once. host_cores = 0: every rank has its own device
     comm_cpu     the share of a core a CPU rank keeps busy while it communicates, waiting or
                  overlapped with its own compute (gloo's threads, the kernel's TCP stack)
+    link_rate_bps, intra_rate_bps, intra_link   the shaped rates (bit/s, None: unshaped) the
+                 record was measured under (`links`), which its profile key names
 
 Presets (`PRESETS`, `preset(name)`; data files in presets/, derivations in presets/README.md):
 
@@ -41,6 +43,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
+
+from ..links import Links
 
 __all__ = ["PRESETS", "Hardware", "Link", "preset"]
 
@@ -118,6 +122,8 @@ class Hardware:
     stream: float = 0.0
     backend: str = "gloo"
     link_rate_bps: float | None = None
+    intra_rate_bps: float | None = None
+    intra_link: str = "shared"
     host_ranks: int = 1
     host_cores: int = 0
     compute_factor: float = 1.0
@@ -136,11 +142,17 @@ class Hardware:
                 f"flops and memory must be > 0 and stream >= 0, got {self.flops}, "
                 f"{self.memory}, {self.stream}"
             )
+        self.links  # noqa: B018  (validates the rates: ValueError naming a bad one)
         if self.compute_factor <= 0 or not 0 <= self.comm_cpu <= 1:
             raise ValueError(
                 f"need compute_factor > 0 and 0 <= comm_cpu <= 1, got {self.compute_factor}, "
                 f"{self.comm_cpu}"
             )
+
+    @property
+    def links(self) -> Links:
+        """The link rates this record was measured under (its profile key's links)."""
+        return Links(self.link_rate_bps, self.intra_rate_bps, self.intra_link)
 
     @property
     def stream_rate(self) -> float:

@@ -2,7 +2,7 @@
 
     predict(hw, shape, "schemoe", "pipe", ("fp16", "fp16"), chunks=4) -> Prediction
     predict_config(moe_config, tokens_per_rank, hw) -> Prediction
-    predict_ms(moe_config, tokens_per_rank, topology, path=...) -> ms on a stored profile, or None
+    predict_ms(moe_config, tokens_per_rank, topology, links, path=...) -> ms on a stored profile
 
 A layer step (forward + backward, what `schemoe bench layer` times) is predicted as
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import MoEConfig
+from ..links import Links
 from ..scheduling import POLICIES, Direction, TaskGraph, make_schedule, simulator
 from . import profiles
 from .hardware import Hardware
@@ -127,16 +128,17 @@ def predict_ms(
     config: MoEConfig,
     tokens: int,
     topology,
+    links: Links,
     hardware: Hardware | None = None,
     path: str | None = None,
-    rate_bps: float | None = None,
     dtype_bytes: int = 4,
 ) -> float | None:
-    """Predicted step (forward + backward) of `config` in ms on `hardware`, else on the cached
-    profile of `topology` (and link rate); None when there is no profile or no model for the
-    algorithm. What `schemoe bench layer --predict` reports as `predicted_ms`."""
+    """Predicted step (forward + backward) of `config` in ms on `hardware`, else on the profile
+    stored under the key of `topology` and `links` (the run's); None when there is no such
+    profile or no model for the algorithm. What `schemoe bench layer --predict` reports as
+    `predicted_ms`."""
     nodes, rpn = topology_of(topology)
-    hw = hardware or profiles.load(nodes, rpn, rate_bps, path=path)
+    hw = hardware or profiles.load(profiles.cache_key(nodes, rpn, links), path=path)
     if hw is None or config.collective.algorithm not in A2A_MODELS:
         return None
     return predict_config(config, tokens, hw.with_topology(nodes, rpn), dtype_bytes).step_s * 1e3

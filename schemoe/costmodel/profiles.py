@@ -2,9 +2,13 @@
 records by topology. Pure functions and file I/O; the measuring is `schemoe.profiler`'s.
 
 A record is cached in a JSON file (`schemoe profile --path FILE`; by default DEFAULT_PATH,
-~/.cache/schemoe/profiles.json) under the key "NODESxRANKS@RATE" (RATE: the inter-node link rate
-in bit/s, or "unshaped"). Every reader takes an explicit `path` too, so tests and tools never
-depend on the home directory.
+~/.cache/schemoe/profiles.json) under the key `cache_key(nodes, ranks_per_node, links)`,
+"NODESxRANKS@inter=RATE,intra=RATE" (rates in bit/s, or "unshaped"; `schemoe.links.Links`): the
+topology and the link rates it was measured under. Every reader names the key it wants (a run's
+is `cache_key` of its topology and `Links.of_run()`) and gets that record or none: a profile of
+another link rate is never used in its place. Files with the old keys ("NxR@RATE") still read,
+as intra unshaped. Every reader takes an explicit `path` too, so tests and tools never depend on
+the home directory.
 """
 
 from __future__ import annotations
@@ -13,9 +17,22 @@ import json
 import os
 from collections.abc import Sequence
 
+from ..links import Links
 from .hardware import Hardware, Link
 
-__all__ = ["DEFAULT_PATH", "cache_key", "fit_gemm", "fit_line", "fit_link", "load", "save"]
+__all__ = [
+    "DEFAULT_PATH",
+    "cache_key",
+    "fit_gemm",
+    "fit_line",
+    "fit_link",
+    "fit_rate",
+    "key_of",
+    "keys",
+    "load",
+    "parse_key",
+    "save",
+]
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "schemoe", "profiles.json")
 
@@ -34,6 +51,16 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     if a < 0:
         a, s = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return a, s
+
+
+def fit_rate(nbytes: Sequence[float], seconds: Sequence[float]) -> float:
+    """Seconds per byte: the slope of `fit_line`, or, where noise makes it <= 0 (small, fast
+    samples on a busy box), the largest sample's seconds / bytes."""
+    s = fit_line(nbytes, seconds)[1]
+    if s > 0:
+        return s
+    b, t = max(zip(nbytes, seconds))
+    return t / b
 
 
 def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:
@@ -57,55 +84,86 @@ def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> Link:
 
 
 def fit_gemm(gemms: Sequence[int], flops: Sequence[float], seconds: Sequence[float]):
-    """(alpha per GEMM, FLOP/s) of t = g alpha + F / flops, least squares on two regressors."""
+    """(alpha per GEMM, FLOP/s) of t = g alpha + F / flops, least squares on two regressors;
+    where that gives alpha < 0 or flops <= 0, t = F / flops through the origin."""
     s11 = sum(g * g for g in gemms)
     s12 = sum(g * f for g, f in zip(gemms, flops))
     s22 = sum(f * f for f in flops)
     b1 = sum(g * t for g, t in zip(gemms, seconds))
     b2 = sum(f * t for f, t in zip(flops, seconds))
     det = s11 * s22 - s12 * s12
-    alpha, inv = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    if alpha < 0:
+    alpha = inv = -1.0
+    if det > 1e-9 * s11 * s22:  # else one sample shape (noise dropped the rest): no alpha to fit
+        alpha, inv = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    if alpha < 0 or inv <= 0:  # inv <= 0: tiny GEMMs, the FLOP term lost in per-call noise
         alpha, inv = 0.0, b2 / s22
     return alpha, 1.0 / inv
 
 
-def cache_key(nodes: int, ranks_per_node: int, rate_bps: float | None = None) -> str:
-    return f"{nodes}x{ranks_per_node}@" + (f"{rate_bps:g}" if rate_bps else "unshaped")
+def cache_key(nodes: int, ranks_per_node: int, links: Links) -> str:
+    """The one profile key: "NODESxRANKS@inter=RATE,intra=RATE[/separate]" (rates in bit/s as
+    %g, or "unshaped"), e.g. "2x2@inter=4e+08,intra=unshaped"."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"need nodes, ranks_per_node >= 1, got {nodes}, {ranks_per_node}")
+    return f"{nodes}x{ranks_per_node}@{links}"
+
+
+def parse_key(key: str) -> tuple[int, int, Links]:
+    """(nodes, ranks_per_node, links) of a key; also the old "NxR@RATE" form (intra unshaped)."""
+    topo, sep, links = key.partition("@")
+    nodes, x, rpn = topo.partition("x")
+    if not (sep and x and nodes.isdigit() and rpn.isdigit()):
+        raise ValueError(f"profile key {key!r}: expected 'NODESxRANKS@inter=RATE,intra=RATE'")
+    return int(nodes), int(rpn), Links.parse(links)
+
+
+def key_of(hw: Hardware) -> str:
+    """The key `hw` is stored under: its topology and the links it was measured under."""
+    return cache_key(hw.nodes, hw.ranks_per_node, hw.links)
+
+
+def _read(path: str) -> dict[str, dict]:
+    """The store's records by current key (old keys rewritten; the record takes its key's links,
+    so an old record without an intra rate reads as measured with intra unshaped)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    for key, d in data.items():
+        try:
+            nodes, rpn, links = parse_key(key)
+        except ValueError as e:
+            raise ValueError(f"profile store {path}: {e}") from None
+        d = {**d, "link_rate_bps": links.inter_bps, "intra_rate_bps": links.intra_bps,
+             "intra_link": links.intra_link}  # fmt: skip
+        out[cache_key(nodes, rpn, links)] = d
+    return out
+
+
+def keys(path: str | None = None) -> list[str]:
+    """The keys stored at `path` (default DEFAULT_PATH), oldest first."""
+    return list(_read(path or DEFAULT_PATH))
 
 
 def save(hw: Hardware, path: str | None = None) -> str:
-    """Add `hw` to the JSON cache at `path` under its topology key; return the key."""
+    """Add `hw` to the JSON store at `path` under `key_of(hw)` (replacing one there); the key."""
     path = path or DEFAULT_PATH
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    key = cache_key(hw.nodes, hw.ranks_per_node, hw.link_rate_bps)
-    data.pop(key, None)  # re-insert last: the newest entry of a topology wins in `load`
+    data = _read(path)
+    key = key_of(hw)
+    data.pop(key, None)
     data[key] = hw.to_json()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # whole or not at all: a reader never sees half a file
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
+    os.replace(tmp, path)
     return key
 
 
-def load(
-    nodes: int | None,
-    ranks_per_node: int | None,
-    rate_bps: float | None = None,
-    path: str | None = None,
-) -> Hardware | None:
-    """The cached profile of this topology (and link rate, if given; else the newest), or None.
-    nodes or ranks_per_node None: the newest profile of any topology."""
-    path = path or DEFAULT_PATH
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        data = json.load(f)
-    if rate_bps is not None:
-        d = data.get(cache_key(nodes, ranks_per_node, rate_bps))
-        return None if d is None else Hardware.from_json(d)
-    want = f"{nodes}x{ranks_per_node}@" if nodes and ranks_per_node else ""
-    keys = [k for k in data if k.startswith(want)]
-    return Hardware.from_json(data[keys[-1]]) if keys else None
+def load(key: str, path: str | None = None) -> Hardware | None:
+    """The record stored under `key` (`cache_key`; old forms accepted) at `path`, or None. Only
+    that key: a record of another topology or link rate is never substituted."""
+    nodes, rpn, links = parse_key(key)
+    d = _read(path or DEFAULT_PATH).get(cache_key(nodes, rpn, links))
+    return None if d is None else Hardware.from_json(d)

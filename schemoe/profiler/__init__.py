@@ -1,2 +1,2 @@
-"""Tools that measure this cluster for the cost model: `schemoe profile` (measure.py: links,
-GEMMs, copies, codecs; calibrate.py: real layer steps) and `simulate` / `validate` (cli.py)."""
+"""`schemoe profile` (measure this cluster with `schemoe.probe` and store the record under the
+run's profile key) and `simulate` (cli.py), `validate` (validate.py)."""

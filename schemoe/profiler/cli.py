@@ -1,10 +1,18 @@
-"""`schemoe profile` (fit the cost model here), `simulate` (plan on a preset), `validate`.
+"""`schemoe profile` (fit the cost model here), `simulate` (plan on a preset), `validate`
+(validate.py).
 
-    schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit] [--path FILE]
-    schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile --link-rate 400mbit
+    schemoe profile [--nproc 4 --ranks-per-node 2] [--link-rate 400mbit [--intra-rate 100mbit
+        [--intra-link separate]]] [--path FILE]
+    schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile
     schemoe simulate --preset paper-32gpu --layers 12 --tokens 4096 --model-dim 2048 \\
         --hidden-dim 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
     schemoe validate BENCH.txt=PROFILE.json ... [--png sim_vs_measured.png]
+
+A profile is stored under the key of the topology and links it was measured under
+(`costmodel.profiles.cache_key`): on the testbed the ranks read its rates (`Links.of_run`),
+elsewhere they are "unshaped" unless --link-rate / --intra-rate say what the network is.
+`validate` uses only the record of the key each bench output names, and refuses a profile
+file without it (naming both keys).
 
 All three end with one JSON line. simulate's: {"preset", "results": [{"policy", "algorithm",
 "compressor", "chunks", "predicted_ms"}, ...] (one row per policy at its best configuration),
@@ -18,23 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
-from .. import config as c
 from .._cli_util import guard
 from .._dist import init_process_group, spawn
 from ..costmodel import profiles
 from ..costmodel.hardware import preset
-from ..costmodel.model import A2A_MODELS, LayerShape
-from ..costmodel.prediction import predict, predict_config
+from ..costmodel.model import LayerShape
+from ..costmodel.prediction import predict
 from ..costmodel.tune import explore
+from ..links import Links
+from ..probe import measure
 from ..testbed.units import parse_rate
 from ..topology import Topology, launcher_local_rank
 from ..trace import gantt
-from . import measure, simstep, steps
+from . import simstep, validate
 
 __all__ = ["register"]
 
@@ -53,7 +61,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
         hidden=opts["hidden"],
         tokens=opts["tokens"],
         experts=opts["experts"],
-        rate_bps=opts["rate_bps"],
+        links=opts["links"] or Links.of_run(),
         quick=opts["quick"],
     )
     if dist.get_rank() != 0:
@@ -79,6 +87,16 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
     return hw.to_json()
 
 
+def _links(args: argparse.Namespace) -> Links | None:
+    """The links --link-rate / --intra-rate / --intra-link describe, or None (the run's own)."""
+    if args.link_rate is None:
+        if args.intra_rate or args.intra_link:
+            raise ValueError("--intra-rate / --intra-link describe the links with --link-rate")
+        return None
+    intra = parse_rate(args.intra_rate, "intra-rate") if args.intra_rate else None
+    return Links(parse_rate(args.link_rate, "link-rate"), intra, args.intra_link or "shared")
+
+
 def _profile(args: argparse.Namespace) -> int:
 
     opts = {
@@ -89,7 +107,7 @@ def _profile(args: argparse.Namespace) -> int:
         "experts": args.experts,
         "quick": args.quick,
         "path": args.path,
-        "rate_bps": parse_rate(args.link_rate) if args.link_rate else None,
+        "links": _links(args),
         "device": args.device,
     }
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -172,9 +190,7 @@ def _simulate(args: argparse.Namespace) -> int:
     _check_simulate(args)
 
     if args.profile:
-        hw = profiles.load(args.nodes, args.ranks_per_node, path=args.profile)
-        if hw is None:
-            raise ValueError(f"no profile for {args.nodes}x{args.ranks_per_node} in {args.profile}")
+        hw = _only_or_keyed(args.profile, args.key)
     else:
         hw = preset(args.preset)
     if args.nodes or args.ranks_per_node:
@@ -246,134 +262,27 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_rows(path: str) -> tuple[dict, list[dict]]:
-    """(config, measured rows) of a saved `schemoe bench layer` output: its '# config:' header
-    line and its last JSON line (rows with a modelled algorithm, auto's row left out)."""
-    config, summary = {}, None
-    with open(path) as f:
-        for line in f:
-            if line.startswith("# config:"):
-                config = dict(kv.split("=", 1) for kv in line[len("# config:") :].split())
-            elif line.startswith("{"):
-                summary = json.loads(line)
-    if summary is None or not config:
-        raise ValueError(f"{path} holds no `schemoe bench layer` header and JSON line")
-
-    # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
-    rows = summary["results"]
-    if any("grad_sync" in row for row in rows):  # a `schemoe bench step` output
-        return config, [row for row in rows if steps.is_step_row(row)]
-    return config, [
-        row
-        for row in rows
-        if row["algorithm"] in A2A_MODELS and not row["policy"].startswith("auto")
-    ]
-
-
-def _validate(args: argparse.Namespace) -> int:
-    """Predict every row of saved bench outputs; print errors; optional predicted-vs-measured PNG."""
-
-    points = []
-    for spec in args.runs:
-        bench, _, prof = spec.partition("=")
-        cfg, rows = _bench_rows(bench)
-        hw = profiles.load(None, None, path=prof or args.profile)
-        if hw is None:
-            raise ValueError(f"no profile in {prof or args.profile}")
-        for row in rows:
-            if steps.is_step_row(row):
-                points.append(steps.point(cfg, row, hw))
-                continue
-            fwd, _, bwd = row["compressor"].partition("/")
-            moe = c.MoEConfig(
-                gate=c.GateConfig(
-                    num_experts=int(cfg["experts"]),
-                    top_k=int(cfg["top_k"]),
-                    capacity_factor=float(cfg["f"]),
-                ),
-                experts=c.ExpertConfig(
-                    model_dim=int(cfg["model_dim"]), hidden_dim=int(cfg["hidden"])
-                ),
-                schedule=c.ScheduleConfig(policy=row["policy"], chunks=int(row["chunks"])),
-                collective=c.CollectiveConfig(algorithm=row["algorithm"]),
-                compression=c.CompressionConfig(forward=fwd, backward=bwd or fwd),
-            )
-            pred = predict_config(moe, int(cfg["tokens"]), hw).step_s * 1e3
-            err = (pred - row["median_ms"]) / row["median_ms"]
-            points.append(
-                {
-                    **{k: row[k] for k in ("policy", "algorithm", "compressor", "chunks")},
-                    "tokens": int(cfg["tokens"]),
-                    "model_dim": int(cfg["model_dim"]),
-                    "hidden": int(cfg["hidden"]),
-                    "measured_ms": round(row["median_ms"], 2),
-                    "predicted_ms": round(pred, 2),
-                    "error": round(err, 4),
-                }
-            )
-    errs = sorted(abs(p["error"]) for p in points)
-    if not errs:
-        raise ValueError("no rows with a modelled algorithm in the given bench outputs")
-    for p in points:
-        print(
-            f"{p['policy']:>10} {p['algorithm']:>6} {p['compressor']:>5} r={p['chunks']} "
-            f"T={p['tokens']} D={p['model_dim']} H={p['hidden']}: measured "
-            f"{p['measured_ms']:8.1f} ms, predicted {p['predicted_ms']:8.1f} ms "
-            f"({p['error'] * 100:+.1f}%)"
-        )
-    med, worst = statistics.median(errs), errs[-1]
-    summary = {
-        "configurations": len(points),
-        "median_abs_error": round(med, 4),
-        "worst_abs_error": round(worst, 4),
-        "points": points,
-    }
-    if args.png:
-        _scatter(points, args.png, f"median |error| {med * 100:.1f}%, worst {worst * 100:.1f}%")
-        print(f"wrote {args.png}")
-    print(json.dumps(summary))
-    return 0
-
-
-def _scatter(points: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    for pol in sorted({p["policy"] for p in points}):
-        ps = [p for p in points if p["policy"] == pol]
-        ax.scatter([p["measured_ms"] for p in ps], [p["predicted_ms"] for p in ps], s=14, label=pol)
-    lo = min(min(p["measured_ms"], p["predicted_ms"]) for p in points) * 0.9
-    hi = max(max(p["measured_ms"], p["predicted_ms"]) for p in points) * 1.1
-    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
-    ax.fill_between(
-        [lo, hi],
-        [lo * 0.85, hi * 0.85],
-        [lo * 1.15, hi * 1.15],
-        color="gray",
-        alpha=0.15,
-        label="±15%",
-    )
-    ax.set(
-        xlim=(lo, hi),
-        ylim=(lo, hi),
-        xlabel="measured step (ms)",
-        ylabel="simulated step (ms)",
-        title=title,
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _only_or_keyed(path: str, key: str | None):
+    """The record stored under `key` in `path`, or its only record when key is None."""
+    stored = profiles.keys(path)
+    if key is None and len(stored) == 1:
+        key = stored[0]
+    hw = profiles.load(key, path) if key else None
+    if hw is None:
+        want = f"no profile {key!r}" if key else "several profiles"
+        raise ValueError(f"{want} in {path} (it holds {stored or 'none'}); pass --key KEY")
+    return hw
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="fit the cost model's constants on this cluster")
     p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: nproc / 2")
-    p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. 1gbit")
+    p.add_argument("--link-rate", default=None, help="the inter-node rate for the key, e.g. "
+                   "1gbit (default: the testbed's when run on it, else unshaped)")  # fmt: skip
+    p.add_argument("--intra-rate", default=None, help="with --link-rate: the intra-node rate")
+    p.add_argument("--intra-link", choices=("shared", "separate"), default=None,
+                   help="with --intra-rate: what a rank link shapes (testbed --intra-link)")  # fmt: skip
     p.add_argument("--path", default=None, help="cache file (default ~/.cache/schemoe/...)")
     p.add_argument("--model-dim", type=int, default=512, help="the layer shape to fit at")
     p.add_argument("--hidden-dim", dest="hidden", type=int, default=1024, help="expert hidden dim")
@@ -388,6 +297,8 @@ def register(subparsers) -> None:
     s = subparsers.add_parser("simulate", help="predicted step time per policy on a preset")
     s.add_argument("--preset", default="paper-32gpu", help="local, paper-32gpu, h100-64gpu")
     s.add_argument("--profile", default=None, help="a profile cache file instead of a preset")
+    s.add_argument("--key", default=None, help="with --profile: the record's key (default: the "
+                   "file's only one)")  # fmt: skip
     s.add_argument("--nodes", type=int, default=None, help="override the preset's node count")
     s.add_argument("--ranks-per-node", type=int, default=None, help="override the preset's")
     s.add_argument("--layers", type=int, default=1,
@@ -423,4 +334,4 @@ def register(subparsers) -> None:
     v.add_argument("runs", nargs="+", help="saved bench outputs, each BENCH.txt[=PROFILE.json]")
     v.add_argument("--profile", default=None, help="profile cache for runs without =PROFILE")
     v.add_argument("--png", default=None, help="predicted-vs-measured scatter plot")
-    v.set_defaults(func=guard("schemoe validate", _validate))
+    v.set_defaults(func=guard("schemoe validate", validate.run))

@@ -42,6 +42,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
+from ..links import INTRA_LINKS, STATE_FILE  # where ranks read it back (Links.of_run)
 from .units import parse_latency, parse_rate  # re-exported: the CLI and tools use them here
 
 __all__ = [
@@ -66,12 +67,10 @@ PREFIX = "smoe-"
 SWITCH = PREFIX + "sw"
 IFNAME = "eth0"  # the interface gloo binds inside a rank's namespace (GLOO_SOCKET_IFNAME)
 SUBNET = "10.77"
-STATE_FILE = "/run/schemoe/testbed.json"
 # Near loopback's MTU: far fewer packets per byte, so the two CPU cores that also run the ranks
 # spend little on softirq and the link, not the CPU, is the limit (9000 gave ~0.8 of the rate).
 MTU = 65000
 ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts ETC/NS/hosts over /etc/hosts
-INTRA_LINKS = ("shared", "separate")
 
 
 @dataclass(frozen=True)
