@@ -56,9 +56,9 @@ def _command_lines(text: str) -> list[str]:
     joined = re.sub(r"\\\n\s*", " ", text)
     out = []
     for raw in joined.splitlines():
-        s = raw.strip()
-        if re.match(r"^(\.venv/bin/)?schemoe\s", s):
-            out.append(s)
+        for s in re.split(r"\s*(?:;|&&|\|\|)\s*", raw.strip()):  # one command per segment
+            if re.match(r"^(\.venv/bin/)?schemoe\s", s):
+                out.append(s)
     return out
 
 
