@@ -27,7 +27,7 @@ from .dispatcher import TokenDispatcher
 from .experts import BatchedFFN, ModuleExperts
 from .gating import load_balancing_loss, route, router_z_loss, update_balance_bias
 from .region import Region, run_region
-from .scheduling import POLICIES, Direction, TaskGraph, make_schedule
+from .scheduling import POLICIES, Direction, Schedule, TaskGraph, make_schedule
 from .scheduling.background import Background
 from .topology import Topology
 
@@ -180,7 +180,11 @@ class MoELayer(nn.Module):
                 "yet: attach a tuner (schemoe.autotune.AutoTuner(model)) before the first call"
             )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor):
+        """Steps 1-2 of forward: route x ([T, M] or [B, L, M]) and encode it into this rank's
+        dispatch buffer. Returns (rows [N, M], DispatchMeta, aux loss). Collective unless the
+        splits follow from the config. (The stack runtime, schemoe.stack, calls the steps one
+        by one per micro-chunk.)"""
         self._check(x)
         cfg = self._running
         x_TM = x.reshape(-1, cfg.experts.model_dim)
@@ -202,8 +206,11 @@ class MoELayer(nn.Module):
                 ).float()
         # 2. Tokens into the expert-major buffer; splits and the chunk plan.
         rows_NM, meta = self.dispatcher.dispatch(x_TM, routing, dropless=cfg.gate.dropless)
-        # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
-        region = Region(
+        return rows_NM, meta, aux
+
+    def region(self, meta) -> Region:
+        """Step 3's region for one call: the chunk plan of `meta` under the running schedules."""
+        return Region(
             meta.plan,
             self.algorithm,
             self.forward_compressor,
@@ -213,7 +220,18 @@ class MoELayer(nn.Module):
             self._schedules[Direction.BACKWARD],
             self.background,
         )
-        out_NM = run_region(region, rows_NM)
+
+    def schedule(self, direction: Direction | str) -> tuple[TaskGraph, Schedule]:
+        """The running region's (TaskGraph, Schedule) of `direction`."""
+        if self._running is None:
+            raise RuntimeError(f"this MoELayer (policy {self.config.schedule.policy!r}) is not "
+                               "configured yet")
+        return self._schedules[Direction(direction)]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows_NM, meta, aux = self.dispatch(x)
+        # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
+        out_NM = run_region(self.region(meta), rows_NM)
         # 4. Weighted sum back in token order.
         y_TM = self.dispatcher.combine(out_NM, meta)
         return y_TM.view(x.shape), aux

@@ -25,7 +25,7 @@ from .layout import Chunk
 from .scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from .scheduling.background import Background
 
-__all__ = ["Region", "run_region"]
+__all__ = ["ChunkRunner", "Region", "expert_backward", "expert_forward", "expert_params", "run_region"]
 
 
 @dataclass
@@ -48,9 +48,10 @@ class Region:
         return tuple(self.algorithm.links)
 
 
-class _Runner:
-    """Maps the tasks of one direction onto tensors. Forward and backward differ only in the
-    source rows, the compressor and what the expert task does."""
+class ChunkRunner:
+    """Maps the region tasks of one direction onto tensors (the executor's TaskRunner; the stack
+    runtime runs one per block and micro-chunk). Forward and backward differ only in the source
+    rows, the compressor and what the expert task does: `expert_fn(chunk, rows, counts)`."""
 
     def __init__(self, region: Region, src_NM: torch.Tensor, comp, expert_fn: Callable) -> None:
         self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
@@ -115,28 +116,57 @@ class _Runner:
         return self.out
 
 
-def _keep_graph() -> bool:
+def keep_graph() -> bool:
     """Whether the backward running now keeps its graph (retain_graph=True). torch says so only
     through a private function; without it a second backward raises the clear error below."""
     probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(probe()) if probe is not None else False
 
 
-def _params(experts: nn.Module) -> list[nn.Parameter]:
+def expert_params(experts: nn.Module) -> list[nn.Parameter]:
     return [p for p in experts.parameters() if p.requires_grad]
+
+
+def expert_forward(region: Region) -> Callable:
+    """The expert task of a forward that will be differentiated: each chunk's expert graph is
+    built on a leaf and kept in `region.saved` for `expert_backward`."""
+
+    def fn(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        leaf = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = region.experts(leaf, counts)
+        region.saved[i] = (leaf, y)
+        return y.detach()
+
+    return fn
+
+
+def expert_backward(
+    region: Region, params: Sequence[torch.Tensor], keep: bool, on_grads: Callable
+) -> Callable:
+    """The expert task of backward: chunk i's input gradient from its saved graph; the weight
+    gradients go to `on_grads(i, grads)` (one entry per param, None where unused)."""
+
+    def fn(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if i not in region.saved:
+            raise RuntimeError(
+                "this MoE region's backward already ran and freed its expert graphs; to "
+                "run backward through it again, pass retain_graph=True the first time"
+            )
+        leaf, y = region.saved[i] if keep else region.saved.pop(i)
+        grads = torch.autograd.grad(
+            y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
+        )
+        on_grads(i, grads[1:])
+        return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+
+    return fn
 
 
 class _RegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
-        def expert_fwd(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-            leaf = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = region.experts(leaf, counts)
-            region.saved[i] = (leaf, y)
-            return y.detach()
-
-        out_NM = _run_forward(region, rows_NM, expert_fwd)
+        out_NM = _run_forward(region, rows_NM, expert_forward(region))
         ctx.region = region
         ctx.n_params = len(params)
         return out_NM
@@ -149,22 +179,13 @@ class _RegionFn(torch.autograd.Function):
                 "double backward (create_graph=True) through a scheduled MoE region is not "
                 "supported: its backward runs the experts' gradients outside the graph"
             )
-        keep = _keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
-        params = _params(region.experts)
+        keep = keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
+        params = expert_params(region.experts)
         acc: list[torch.Tensor | None] = [None] * len(params)
         owned = [False] * len(params)  # acc[j] is our own sum (safe to add into in place)
 
-        def expert_bwd(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-            if i not in region.saved:
-                raise RuntimeError(
-                    "this MoE region's backward already ran and freed its expert graphs; to "
-                    "run backward through it again, pass retain_graph=True the first time"
-                )
-            leaf, y = region.saved[i] if keep else region.saved.pop(i)
-            grads = torch.autograd.grad(
-                y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
-            )
-            for j, g in enumerate(grads[1:]):
+        def add(i: int, grads) -> None:
+            for j, g in enumerate(grads):
                 if g is None:
                     continue
                 if acc[j] is None:
@@ -173,9 +194,9 @@ class _RegionFn(torch.autograd.Function):
                     acc[j].add_(g)
                 else:
                     acc[j], owned[j] = acc[j] + g, True
-            return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
 
-        runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
+        expert_bwd = expert_backward(region, params, keep, add)
+        runner = ChunkRunner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
         graph, sched = region.backward
         execute(sched, graph, runner, trace.active("backward"), region.background)
         grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
@@ -183,7 +204,7 @@ class _RegionFn(torch.autograd.Function):
 
 
 def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:
-    runner = _Runner(region, rows_NM, region.forward_compressor, expert_fn)
+    runner = ChunkRunner(region, rows_NM, region.forward_compressor, expert_fn)
     graph, sched = region.forward
     execute(sched, graph, runner, trace.active("forward"), region.background)
     return runner.result()
@@ -191,7 +212,7 @@ def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> 
 
 def run_region(region: Region, rows_NM: torch.Tensor) -> torch.Tensor:
     """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows."""
-    params = _params(region.experts)
+    params = expert_params(region.experts)
     if not torch.is_grad_enabled() or not (rows_NM.requires_grad or params):
         return _run_forward(region, rows_NM, lambda i, x, counts: region.experts(x, counts))
     return _RegionFn.apply(region, rows_NM, *params)

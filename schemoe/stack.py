@@ -1,0 +1,368 @@
+"""The stack runtime: a model's MoE blocks as stages, a batch cut into m micro-chunks, all of it
+one scheduled task graph (scheduling/stack.py), forward AND backward.
+
+Legend: B batch (cut into m micro-chunks of B / m), M model dim, N dispatch-buffer rows.
+
+A stage is (pre, MoELayer, post):
+
+    pre(x) -> (x_res, h)       norm, attention, residual ...: h is the MoE input, x_res what
+                               post adds the MoE output to (any dense blocks before it too)
+    moe: route + encode (in AT, with pre) -> the region's C/A/D/E tasks -> decode (in PO)
+    post(x_res, y) -> x_out    default x_res + y (and any dense blocks after the last stage)
+
+For each block b and micro-chunk j the executor runs AT (pre, router, encode), the MoE layer's
+own region tasks through a `region.ChunkRunner` (the same machinery MoELayer.forward uses), and
+PO (decode, post), in the order the stack policy gives: with "wavefront", micro-chunk j+1's
+attention runs while micro-chunk j's dispatch all-to-all is on the wire. A custom autograd
+Function wraps the stack: its backward runs the backward stack schedule, calling autograd per
+stage and micro-chunk (PO, each chunk's experts, AT), so backward all-to-alls overlap other
+micro-chunks' attention backward.
+
+Arithmetic and order: every task computes the same thing whatever the policy; weight gradients
+are summed in one fixed order (the sequential policy's backward order), so every stack policy
+gives bitwise the results of "sequential" at the same m. Across m, the cut is along the batch:
+attention and the expert FFNs see exactly the rows they see at m = 1; what changes:
+  * capacity mode: capacity is per micro-chunk, C = ceil(f k (T / m) / E) (each micro-chunk is
+    a layer call of T / m tokens), so which tokens are dropped can differ from m = 1;
+  * the aux loss of a block is the mean of its m micro-chunks' aux losses (the load-balancing
+    loss is a product of per-batch means, so this differs from the whole batch's value at
+    O(1/T) relative: as in gradient accumulation over micro-batches);
+  * dropless outputs and gradients equal m = 1 up to the order of floating-point sums (weight
+    gradients summed over micro-chunks, matmuls over fewer rows).
+
+Gradient buckets: the executor hands its in-flight count to the layers' Background queue (as the
+region does), so buckets queued before the stack's backward post into its idle network time.
+DDP marks a bucket ready when autograd accumulates its weights' gradients, which for weights
+inside the stack is when the stack's backward returns (they are outputs of one Function).
+Not supported: double backward; layers whose policy is "auto"/"search" until a tuner has
+configured them (the tuner's hooks see MoELayer calls, which the stack does not make).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from . import trace
+from .layer import MoELayer
+from .region import ChunkRunner, expert_backward, expert_forward, expert_params, keep_graph
+from .scheduling import Direction, Kind, StackGraph, Task, execute, make_stack_schedule
+
+__all__ = ["MoEStack", "Stage", "run_stack"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One block: pre(x) -> (x_res, h), the MoELayer on h, post(x_res, y) -> out (None: add)."""
+
+    pre: nn.Module
+    moe: MoELayer
+    post: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.moe, MoELayer):
+            raise TypeError(f"a stage's MoE must be a MoELayer, got {type(self.moe).__name__}")
+        for name in ("pre", "post"):
+            v = getattr(self, name)
+            if not (isinstance(v, nn.Module) or (name == "post" and v is None)):
+                raise TypeError(f"a stage's {name} must be an nn.Module, got {type(v).__name__}")
+
+
+def _stages(stages: Sequence) -> list[Stage]:
+    out = [s if isinstance(s, Stage) else Stage(*s) for s in stages]
+    if not out:
+        raise ValueError("a stack needs at least one stage")
+    return out
+
+
+def _unique(params) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(policy: str, graph: StackGraph, regions: tuple[tuple[Task, ...], ...]):
+    return make_stack_schedule(policy, graph, regions)
+
+
+class _Stack:
+    """One call: the stages, the micro-chunks and everything the tasks hand each other."""
+
+    def __init__(self, stages: list[Stage], m: int, policy: str) -> None:
+        self.stages, self.m, self.policy = stages, m, policy
+        links = {tuple(s.moe.algorithm.links) for s in stages}
+        if len(links) != 1:
+            raise ValueError(f"every stage's all-to-all must use the same links, got {links}")
+        self.links = links.pop()
+        self.background = next((s.moe.background for s in stages if s.moe.background), None)
+        # Parameters: AT differentiates pre + the layer's dense weights (gate), E the experts,
+        # PO the post. One flat list (deduplicated) for the autograd Function.
+        self.at_p, self.e_p, self.po_p = [], [], []
+        for s in stages:
+            experts = {id(p) for p in expert_params(s.moe.experts)}
+            dense = [p for p in s.moe.parameters() if id(p) not in experts]
+            self.at_p.append(_unique([*s.pre.parameters(), *dense]))
+            self.e_p.append(expert_params(s.moe.experts))
+            self.po_p.append(_unique(s.post.parameters()) if s.post is not None else [])
+        self.params = _unique(p for ps in (*self.at_p, *self.e_p, *self.po_p) for p in ps)
+        self.index = {id(p): n for n, p in enumerate(self.params)}
+        self.rec: dict[tuple[int, int], dict] = {}  # (block, micro) -> tensors of the call
+
+    def schedule(self, direction: Direction):
+        chunks = tuple(s.moe.schedule(direction)[0].chunks for s in self.stages)
+        graph = StackGraph(chunks, self.m, self.links, direction)
+        regions = tuple(tuple(s.moe.schedule(direction)[1].order["compute"]) for s in self.stages)
+        return graph, _schedule(self.policy, graph, regions)
+
+    # ------------------------------------------------------------ forward
+    def forward(self, x_B: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        self.grad, self.xs = grad, x_B.chunk(self.m)
+        graph, sched = self.schedule(Direction.FORWARD)
+        execute(sched, graph, _Tasks(Kind.AT, self._at, self._po), trace.active("forward"),
+                self.background)  # fmt: skip
+        last = len(self.stages) - 1
+        out = torch.cat([self.rec[(last, j)]["out"].detach() for j in range(self.m)])
+        aux = sum(self.rec[(b, j)]["aux"].detach() / self.m for b in range(last + 1)
+                  for j in range(self.m))  # fmt: skip
+        return out, aux
+
+    def _at(self, b: int, j: int) -> ChunkRunner:
+        stage = self.stages[b]
+        x = self.xs[j] if b == 0 else self.rec[(b - 1, j)]["out"]
+        leaf = x.detach().requires_grad_(self.grad)
+        with torch.set_grad_enabled(self.grad):
+            x_res, h = stage.pre(leaf)
+            rows_NM, meta, aux = stage.moe.dispatch(h)
+        region = stage.moe.region(meta)
+        if self.grad:
+            fn = expert_forward(region)
+        else:
+            fn = lambda i, x, counts: region.experts(x, counts)  # noqa: E731
+        self.rec[(b, j)] = dict(leaf=leaf, x_res=x_res, shape=h.shape, rows=rows_NM, meta=meta,
+                                aux=aux, region=region)  # fmt: skip
+        return ChunkRunner(region, rows_NM.detach(), region.forward_compressor, fn)
+
+    def _po(self, b: int, j: int, runner: ChunkRunner) -> None:
+        # PO's graph starts from leaves (the region's rows, x_res, the combine weights), so its
+        # backward stops there and AT's backward takes their gradients over.
+        stage, rec = self.stages[b], self.rec[(b, j)]
+        meta, x_res = rec["meta"], rec["x_res"]
+        leaves = [runner.result(), x_res, meta.routing.weight_TK]
+        leaves = [t.detach().requires_grad_(self.grad and (n == 0 or t.requires_grad))
+                  for n, t in enumerate(leaves)]  # fmt: skip
+        o_NM, res, w_TK = leaves
+        meta = replace(meta, routing=replace(meta.routing, weight_TK=w_TK))
+        with torch.set_grad_enabled(self.grad):
+            y = stage.moe.dispatcher.combine(o_NM, meta).view(rec["shape"])
+            out = res + y if stage.post is None else stage.post(res, y)
+        rec.update(leaves=leaves, out=out)
+
+    # ------------------------------------------------------------ backward
+    def backward(self, g_out: torch.Tensor, g_aux: torch.Tensor):
+        self.keep = keep_graph()
+        self.g_outs, self.g_aux = g_out.chunk(self.m), g_aux
+        graph, sched = self.schedule(Direction.BACKWARD)
+        # Weight gradients are summed in the sequential policy's backward order, whatever runs.
+        order = self.schedule_of("sequential", graph).order["compute"]
+        self.acc = _OrderedSum(len(self.params), self._expected(order))
+        execute(sched, graph, _Tasks(Kind.PO, self._po_bwd, self._at_bwd), trace.active("backward"),
+                self.background)  # fmt: skip
+        g_x = torch.cat([self.rec[(0, j)]["g_in"] for j in range(self.m)])
+        return g_x, self.acc.result(self.params)
+
+    def schedule_of(self, policy: str, graph: StackGraph):
+        regions = tuple(
+            tuple(s.moe.schedule(graph.direction)[1].order["compute"]) for s in self.stages
+        )
+        return _schedule(policy, graph, regions)
+
+    def _owner(self, t: Task) -> list[torch.Tensor]:
+        return {Kind.AT: self.at_p, Kind.E: self.e_p, Kind.PO: self.po_p}[t.kind][t.block]
+
+    def _expected(self, order) -> dict[int, list[Task]]:
+        out: dict[int, list[Task]] = {n: [] for n in range(len(self.params))}
+        for t in order:
+            if t.kind in (Kind.AT, Kind.E, Kind.PO):
+                for p in self._owner(t):
+                    out[self.index[id(p)]].append(t)
+        return out
+
+    def _put(self, t: Task, grads) -> None:
+        self.acc.put(t, [self.index[id(p)] for p in self._owner(t)], grads)
+
+    def _po_bwd(self, b: int, j: int) -> ChunkRunner:
+        stage, rec = self.stages[b], self.rec[(b, j)]
+        last = b == len(self.stages) - 1
+        g = self.g_outs[j] if last else self.rec[(b + 1, j)].pop("g_in")
+        ins = rec.pop("leaves") if not self.keep else rec["leaves"]
+        live = [t.requires_grad for t in ins]
+        grads = _grad([rec["out"]], [t for t, ok in zip(ins, live) if ok] + self.po_p[b], g,
+                      self.keep)  # fmt: skip
+        it = iter(grads)
+        g_o, g_res, g_w = (next(it) if ok else None for ok in live)
+        self._put(Task(Kind.PO, 0, 0, None, b, j), list(it))
+        rec.update(g_res=g_res, g_w=g_w)
+        if not self.keep:
+            del rec["out"]
+        region = rec["region"]
+
+        def on_grads(i: int, gs) -> None:
+            self._put(Task(Kind.E, 0, i, None, b, j), gs)
+
+        fn = expert_backward(region, self.e_p[b], self.keep, on_grads)
+        if g_o is None:
+            g_o = torch.zeros_like(ins[0])
+        return ChunkRunner(region, g_o.contiguous(), region.backward_compressor, fn)
+
+    def _at_bwd(self, b: int, j: int, runner: ChunkRunner) -> None:
+        rec = self.rec[(b, j)]
+        outs = [(rec["rows"], runner.result()), (rec["x_res"], rec["g_res"]),
+                (rec["meta"].routing.weight_TK, rec["g_w"]),
+                (rec["aux"], self.g_aux / self.m)]  # fmt: skip
+        outs = [(t, g) for t, g in outs if t.requires_grad and g is not None]
+        grads = _grad([t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs],
+                      self.keep)  # fmt: skip
+        self._put(Task(Kind.AT, 0, 0, None, b, j), grads[1:])
+        g_in = grads[0] if grads[0] is not None else torch.zeros_like(rec["leaf"])
+        if not self.keep:
+            self.rec[(b, j)] = {"g_in": g_in}
+        else:
+            rec["g_in"] = g_in
+
+
+def _grad(outputs, inputs, grad_outputs, keep: bool):
+    if len(outputs) == 0 or len(inputs) == 0:
+        return [None] * len(inputs)
+    return torch.autograd.grad(
+        outputs, inputs, grad_outputs, allow_unused=True, retain_graph=keep
+    )
+
+
+class _OrderedSum:
+    """Per-parameter gradient sums in a fixed order: a contribution that arrives before the ones
+    ahead of it waits, so the sum's rounding does not depend on the schedule."""
+
+    def __init__(self, n: int, expected: dict[int, list[Task]]) -> None:
+        self.expected, self.next = expected, [0] * n
+        self.pending: list[dict[Task, torch.Tensor | None]] = [{} for _ in range(n)]
+        self.acc: list[torch.Tensor | None] = [None] * n
+        self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
+
+    def put(self, task: Task, idx: list[int], grads) -> None:
+        for p, g in zip(idx, grads):
+            self.pending[p][task] = g
+            q = self.expected[p]
+            while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
+                self._add(p, self.pending[p].pop(q[self.next[p]]))
+                self.next[p] += 1
+
+    def _add(self, p: int, g: torch.Tensor | None) -> None:
+        if g is None:
+            return
+        if self.acc[p] is None:
+            self.acc[p] = g  # may alias a buffer autograd passed through: not added into
+        elif self.owned[p]:
+            self.acc[p].add_(g)
+        else:
+            self.acc[p], self.owned[p] = self.acc[p] + g, True
+
+    def result(self, params) -> list[torch.Tensor]:
+        assert all(not d for d in self.pending), "a gradient arrived out of its expected set"
+        return [a if a is not None else torch.zeros_like(p) for a, p in zip(self.acc, params)]
+
+
+class _Tasks:
+    """The executor's TaskRunner for a stack: head/tail tasks (AT/PO forward, PO/AT backward)
+    by the stack, region tasks by the ChunkRunner of their block and micro-chunk."""
+
+    def __init__(self, first: Kind, head, tail) -> None:
+        self.first, self.head, self.tail = first, head, tail
+        self.runners: dict[tuple[int, int], ChunkRunner] = {}
+
+    def run(self, t: Task) -> None:
+        key = (t.block, t.micro)
+        if t.kind == self.first:
+            self.runners[key] = self.head(*key)
+        elif t.kind in (Kind.AT, Kind.PO):
+            self.tail(*key, self.runners.pop(key))
+        else:
+            self.runners[key].run(t)
+
+    def start(self, t: Task):
+        return self.runners[(t.block, t.micro)].start(t)
+
+    def finish(self, t: Task, result) -> None:
+        self.runners[(t.block, t.micro)].finish(t, result)
+
+
+class _StackFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, st: _Stack, x: torch.Tensor, *params: torch.Tensor):
+        out, aux = st.forward(x, grad=True)
+        ctx.st = st
+        return out, aux
+
+    @staticmethod
+    def backward(ctx, g_out: torch.Tensor, g_aux: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "double backward (create_graph=True) through a scheduled MoE stack is not "
+                "supported: its backward runs autograd per stage outside the graph"
+            )
+        g_x, g_params = ctx.st.backward(g_out.contiguous(), g_aux)
+        return (None, g_x, *g_params)
+
+
+def run_stack(
+    stages: Sequence[Stage | tuple], x: torch.Tensor, micro_chunks: int, policy: str = "wavefront"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the stages on x [B, ...] cut into `micro_chunks` along the batch, under stack policy
+    `policy` (scheduling.STACK_POLICIES: "sequential", "wavefront"). Returns (out [B, ...], the
+    sum over stages of each stage's aux loss averaged over micro-chunks). Collective: every
+    rank calls it with the same stages, m and policy."""
+    if isinstance(micro_chunks, bool) or not isinstance(micro_chunks, int) or micro_chunks < 1:
+        raise ValueError(f"micro_chunks must be an int >= 1, got {micro_chunks!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise TypeError(f"the stack input must be a Tensor with a batch dim, got {x!r:.60}")
+    if x.shape[0] % micro_chunks:
+        raise ValueError(
+            f"batch {x.shape[0]} must be divisible by micro_chunks={micro_chunks} "
+            "(micro-chunks are cut along the batch)"
+        )
+    st = _Stack(_stages(stages), micro_chunks, policy)
+    st.schedule(Direction.FORWARD)  # unknown policy / bad layers: raise before any work
+    if torch.is_grad_enabled() and (x.requires_grad or st.params):
+        return _StackFn.apply(st, x, *st.params)
+    return st.forward(x, grad=False)
+
+
+class MoEStack(nn.Module):
+    """A stack of (pre, MoELayer, post) stages run as one scheduled task graph over m
+    micro-chunks (module docstring). forward(x [B, ...]) -> (out [B, ...], aux loss).
+
+    Args:
+        stages: Stage or (pre, moe, post) tuples; post may be None (residual add).
+        micro_chunks: m (B must be divisible by it).
+        policy: the stack policy, "wavefront" (default) or "sequential".
+    """
+
+    def __init__(
+        self, stages: Sequence[Stage | tuple], micro_chunks: int = 1, policy: str = "wavefront"
+    ) -> None:
+        super().__init__()
+        self.stages = _stages(stages)
+        self.pre = nn.ModuleList(s.pre for s in self.stages)
+        self.moe = nn.ModuleList(s.moe for s in self.stages)
+        self.post = nn.ModuleList(s.post or nn.Identity() for s in self.stages)
+        self.micro_chunks, self.policy = micro_chunks, policy
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_stack(self.stages, x, self.micro_chunks, self.policy)
