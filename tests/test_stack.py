@@ -1,0 +1,199 @@
+"""The stack runtime: stack policies give bitwise the sequential stack's results; the stack
+matches the single-process reference (capacity per micro-chunk) and, dropless, m = 1; m = 1 is
+bitwise the plain per-layer loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_cases import close, global_weights
+from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
+from schemoe.lm import _Attention
+from schemoe.stack import MoEStack, Stage, run_stack
+from schemoe.testing import reference_moe
+
+E, M, H, B, L = 8, 12, 20, 4, 5
+
+
+def cfg(f: float, region: str = "schemoe", r: int = 2, aux: float = 0.01) -> MoEConfig:
+    return MoEConfig(
+        gate=GateConfig(num_experts=E, top_k=2, capacity_factor=f, aux_loss_weight=aux),
+        experts=ExpertConfig(model_dim=M, hidden_dim=H),
+        schedule=ScheduleConfig(policy=region, chunks=r),
+    )
+
+
+class Attn(nn.Module):
+    """A pre stage as in schemoe.lm: pre-norm attention with its residual, then the MoE norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2, self.attn = nn.LayerNorm(M), nn.LayerNorm(M), _Attention(M, 2)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x, self.ln2(x)
+
+
+class Split(nn.Module):
+    """A pre stage that hands x to the MoE and adds nothing: the stack's output is the MoE's."""
+
+    def forward(self, x):
+        return torch.zeros_like(x), x
+
+
+def _stages(c: MoEConfig, blocks: int = 2) -> list[Stage]:
+    torch.manual_seed(0)  # the same dense weights on every rank
+    return [Stage(Attn(), MoELayer(c, seed=b)) for b in range(blocks)]
+
+
+def _params(stages):
+    return [p for s in stages for m in (s.pre, s.moe) for p in m.parameters()]
+
+
+def _inputs(rank: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed + rank)
+    return torch.randn(B, L, M, generator=g), torch.randn(B, L, M, generator=g)
+
+
+def _run(stages, m: int, policy: str, rank: int, plain: bool = False):
+    x, gy = _inputs(rank)
+    x.requires_grad_(True)
+    for p in _params(stages):
+        p.grad = None
+    if plain:  # the per-layer loop every model ran before the stack
+        out, aux = x, 0.0
+        for s in stages:
+            x_res, h = s.pre(out)
+            y, a = s.moe(h)
+            out, aux = x_res + y, aux + a
+    else:
+        out, aux = run_stack(stages, x, m, policy)
+    ((out * gy).sum() + aux).backward()
+    return out.detach(), aux.detach(), x.grad.clone(), [p.grad.clone() for p in _params(stages)]
+
+
+def _bitwise(a, b, what):
+    assert torch.equal(a[0], b[0]), f"output {what}"
+    assert torch.equal(a[1], b[1]), f"aux {what}"
+    assert torch.equal(a[2], b[2]), f"input grad {what}"
+    for n, (u, v) in enumerate(zip(a[3], b[3])):
+        assert torch.equal(u, v), f"grad {n} {what}"
+
+
+def _policies_agree(rank, world, f, m, region):
+    stages = _stages(cfg(f, region))
+    base = _run(stages, m, "sequential", rank)
+    _bitwise(_run(stages, m, "wavefront", rank), base, f"wavefront {f=} {m=} {region}")
+    if m == 1:
+        _bitwise(_run(stages, 1, "sequential", rank, plain=True), base, "plain loop")
+    return True
+
+
+@pytest.mark.parametrize(
+    "world,f,m,region",
+    [
+        (2, 1.0, 2, "schemoe"),
+        (2, 0.0, 4, "schemoe"),
+        (2, 0.0, 1, "schemoe"),
+        (2, 1.0, 1, "tutel"),
+        (4, 1.0, 4, "sequential"),
+        (4, 0.0, 2, "tutel"),
+    ],
+)
+def test_wavefront_gives_bitwise_the_sequential_stack_and_m1_the_plain_loop(
+    ranks, world, f, m, region
+):
+    assert all(ranks(world).run(_policies_agree, f, m, region))
+
+
+def _across_m(rank, world, m):
+    # Dropless, no aux loss: the same tokens meet the same weights at any m; only the order of
+    # floating-point sums differs (weight gradients summed over micro-chunks, fewer rows per
+    # matmul). Each element is a sum of O(B L) products of O(1) values, a few fp32 ulps
+    # (1.2e-7) each: atol 2e-5 / rtol 2e-4 (moe_cases' bound) is ~10x headroom, and a wrong or
+    # dropped row would be O(1). (The load-balancing loss is not micro-chunk additive: see
+    # schemoe/stack.py, tested for its definition below.)
+    stages = _stages(cfg(0.0, aux=0.0))
+    one, got = _run(stages, 1, "sequential", rank), _run(stages, m, "wavefront", rank)
+    close(got[0], one[0], f"output m={m}")
+    close(got[2], one[2], f"input grad m={m}")
+    for n, (u, v) in enumerate(zip(got[3], one[3])):
+        close(u, v, f"grad {n} m={m}")
+    return True
+
+
+@pytest.mark.parametrize("world,m", [(2, 2), (4, 4)])
+def test_dropless_results_at_m_micro_chunks_match_one_within_rounding(ranks, world, m):
+    assert all(ranks(world).run(_across_m, m))
+
+
+def _reference(rank, world, f, m, policy):
+    """One stage whose output is the MoE's: against reference_moe called once per micro-chunk
+    on every rank's slice (capacity is per micro-chunk: each is a layer call of B L / m tokens)."""
+    c = cfg(f, r=2)
+    torch.manual_seed(0)
+    moe = MoELayer(c, seed=3)
+    w = global_weights(moe, seed=5)
+    moe.load_global_state(w)
+    stages = [Stage(Split(), moe)]
+    out, aux, gx, grads = _run(stages, m, policy, rank)
+    xs_gys = [_inputs(q) for q in range(world)]
+    wr = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+    xr = [x.clone().requires_grad_(True) for x, _ in xs_gys]
+    loss, ys, rauxes = 0.0, [], []
+    for j in range(m):
+        sl = slice(j * B // m, (j + 1) * B // m)
+        y, a = reference_moe([x[sl].reshape(-1, M) for x in xr], wr, c)
+        loss = loss + sum((yy.view(-1, L, M) * g[sl]).sum() for yy, (_, g) in zip(y, xs_gys))
+        loss = loss + sum(a) / m
+        ys.append(y[rank].view(-1, L, M))
+        rauxes.append(a[rank] / m)
+    loss.backward()
+    close(out, torch.cat(ys).detach(), "output")
+    close(aux, sum(rauxes).detach(), "aux")
+    close(gx, xr[rank].grad, "input grad")
+    for (name, p), g in zip(moe.named_parameters(), grads):
+        if getattr(p, "schemoe_expert", False):
+            close(g, wr[name].grad[moe.expert_slice()], f"grad {name}")
+        else:
+            dist.all_reduce(g)
+            close(g, wr[name].grad, f"grad {name}")
+    return True
+
+
+@pytest.mark.parametrize(
+    "world,f,m,policy",
+    [(2, 1.0, 2, "wavefront"), (2, 0.0, 2, "sequential"), (4, 1.0, 4, "wavefront")],
+    ids=["capacity-w2-m2", "dropless-w2-m2", "capacity-w4-m4"],
+)
+def test_the_stack_matches_the_reference_called_once_per_micro_chunk(ranks, world, f, m, policy):
+    assert all(ranks(world).run(_reference, f, m, policy))
+
+
+def test_moestack_registers_its_stages_and_runs_without_grad():
+    c = cfg(1.0)
+    stack = MoEStack([(Attn(), MoELayer(c, seed=0), None)], micro_chunks=2)
+    assert len(list(stack.parameters())) == len(list(stack.stages[0].pre.parameters())) + len(
+        list(stack.stages[0].moe.parameters())
+    )
+    with torch.no_grad():
+        out, aux = stack(torch.randn(B, L, M))
+    assert out.shape == (B, L, M) and not out.requires_grad and aux.dim() == 0
+
+
+def test_bad_stack_input_is_refused_with_the_value_named():
+    stages = [Stage(Attn(), MoELayer(cfg(1.0), seed=0))]
+    with pytest.raises(ValueError, match="batch 4 must be divisible by micro_chunks=3"):
+        run_stack(stages, torch.randn(B, L, M), 3)
+    with pytest.raises(ValueError, match="micro_chunks must be an int >= 1, got 0"):
+        run_stack(stages, torch.randn(B, L, M), 0)
+    with pytest.raises(ValueError, match="unknown stack policy .nope.; known: .*wavefront"):
+        run_stack(stages, torch.randn(B, L, M), 2, "nope")
+    with pytest.raises(TypeError, match="must be a MoELayer"):
+        Stage(Attn(), nn.Linear(M, M))
+    with pytest.raises(ValueError, match="at least one stage"):
+        run_stack([], torch.randn(B, L, M), 1)
