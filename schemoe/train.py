@@ -143,7 +143,8 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
     core = GPT(
-        GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every),
+        GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every,
+                  micro_chunks=a.micro_chunks),  # fmt: skip
         moe_config_from_args(a),
         group=ep.ep_group,
         seed=a.seed,
@@ -287,7 +288,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "dp_size": ep.dp_size,
         "device": dev.type,
         "dtype": a.dtype,
-        **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compress")},
+        **{k: getattr(a, k) for k in ("policy", "chunks", "micro_chunks", "algorithm", "compress")},
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,
