@@ -224,8 +224,9 @@ class MoELayer(nn.Module):
     def schedule(self, direction: Direction | str) -> tuple[TaskGraph, Schedule]:
         """The running region's (TaskGraph, Schedule) of `direction`."""
         if self._running is None:
-            raise RuntimeError(f"this MoELayer (policy {self.config.schedule.policy!r}) is not "
-                               "configured yet")
+            raise RuntimeError(
+                f"this MoELayer (policy {self.config.schedule.policy!r}) is not configured yet"
+            )
         return self._schedules[Direction(direction)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

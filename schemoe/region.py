@@ -25,7 +25,14 @@ from .layout import Chunk
 from .scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from .scheduling.background import Background
 
-__all__ = ["ChunkRunner", "Region", "expert_backward", "expert_forward", "expert_params", "run_region"]
+__all__ = [
+    "ChunkRunner",
+    "Region",
+    "expert_backward",
+    "expert_forward",
+    "expert_params",
+    "run_region",
+]
 
 
 @dataclass

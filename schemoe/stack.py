@@ -126,12 +126,20 @@ class _Stack:
     def forward(self, x_B: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         self.grad, self.xs = grad, x_B.chunk(self.m)
         graph, sched = self.schedule(Direction.FORWARD)
-        execute(sched, graph, _Tasks(Kind.AT, self._at, self._po), trace.active("forward"),
-                self.background)  # fmt: skip
+        execute(
+            sched,
+            graph,
+            _Tasks(Kind.AT, self._at, self._po),
+            trace.active("forward"),
+            self.background,
+        )
         last = len(self.stages) - 1
         out = torch.cat([self.rec[(last, j)]["out"].detach() for j in range(self.m)])
-        aux = sum(self.rec[(b, j)]["aux"].detach() / self.m for b in range(last + 1)
-                  for j in range(self.m))  # fmt: skip
+        aux = sum(
+            self.rec[(b, j)]["aux"].detach() / self.m
+            for b in range(last + 1)
+            for j in range(self.m)
+        )
         return out, aux
 
     def _at(self, b: int, j: int) -> ChunkRunner:
@@ -145,9 +153,16 @@ class _Stack:
         if self.grad:
             fn = expert_forward(region)
         else:
-            fn = lambda i, x, counts: region.experts(x, counts)  # noqa: E731
-        self.rec[(b, j)] = dict(leaf=leaf, x_res=x_res, shape=h.shape, rows=rows_NM, meta=meta,
-                                aux=aux, region=region)  # fmt: skip
+            fn = lambda i, x, counts: region.experts(x, counts)
+        self.rec[(b, j)] = {
+            "leaf": leaf,
+            "x_res": x_res,
+            "shape": h.shape,
+            "rows": rows_NM,
+            "meta": meta,
+            "aux": aux,
+            "region": region,
+        }
         return ChunkRunner(region, rows_NM.detach(), region.forward_compressor, fn)
 
     def _po(self, b: int, j: int, runner: ChunkRunner) -> None:
@@ -156,8 +171,10 @@ class _Stack:
         stage, rec = self.stages[b], self.rec[(b, j)]
         meta, x_res = rec["meta"], rec["x_res"]
         leaves = [runner.result(), x_res, meta.routing.weight_TK]
-        leaves = [t.detach().requires_grad_(self.grad and (n == 0 or t.requires_grad))
-                  for n, t in enumerate(leaves)]  # fmt: skip
+        leaves = [
+            t.detach().requires_grad_(self.grad and (n == 0 or t.requires_grad))
+            for n, t in enumerate(leaves)
+        ]
         o_NM, res, w_TK = leaves
         meta = replace(meta, routing=replace(meta.routing, weight_TK=w_TK))
         with torch.set_grad_enabled(self.grad):
@@ -173,8 +190,13 @@ class _Stack:
         # Weight gradients are summed in the sequential policy's backward order, whatever runs.
         order = self.schedule_of("sequential", graph).order["compute"]
         self.acc = _OrderedSum(len(self.params), self._expected(order))
-        execute(sched, graph, _Tasks(Kind.PO, self._po_bwd, self._at_bwd), trace.active("backward"),
-                self.background)  # fmt: skip
+        execute(
+            sched,
+            graph,
+            _Tasks(Kind.PO, self._po_bwd, self._at_bwd),
+            trace.active("backward"),
+            self.background,
+        )
         g_x = torch.cat([self.rec[(0, j)]["g_in"] for j in range(self.m)])
         return g_x, self.acc.result(self.params)
 
@@ -199,13 +221,14 @@ class _Stack:
         self.acc.put(t, [self.index[id(p)] for p in self._owner(t)], grads)
 
     def _po_bwd(self, b: int, j: int) -> ChunkRunner:
-        stage, rec = self.stages[b], self.rec[(b, j)]
+        rec = self.rec[(b, j)]
         last = b == len(self.stages) - 1
         g = self.g_outs[j] if last else self.rec[(b + 1, j)].pop("g_in")
         ins = rec.pop("leaves") if not self.keep else rec["leaves"]
         live = [t.requires_grad for t in ins]
-        grads = _grad([rec["out"]], [t for t, ok in zip(ins, live) if ok] + self.po_p[b], g,
-                      self.keep)  # fmt: skip
+        grads = _grad(
+            [rec["out"]], [t for t, ok in zip(ins, live) if ok] + self.po_p[b], g, self.keep
+        )
         it = iter(grads)
         g_o, g_res, g_w = (next(it) if ok else None for ok in live)
         self._put(Task(Kind.PO, 0, 0, None, b, j), list(it))
@@ -224,12 +247,16 @@ class _Stack:
 
     def _at_bwd(self, b: int, j: int, runner: ChunkRunner) -> None:
         rec = self.rec[(b, j)]
-        outs = [(rec["rows"], runner.result()), (rec["x_res"], rec["g_res"]),
-                (rec["meta"].routing.weight_TK, rec["g_w"]),
-                (rec["aux"], self.g_aux / self.m)]  # fmt: skip
+        outs = [
+            (rec["rows"], runner.result()),
+            (rec["x_res"], rec["g_res"]),
+            (rec["meta"].routing.weight_TK, rec["g_w"]),
+            (rec["aux"], self.g_aux / self.m),
+        ]
         outs = [(t, g) for t, g in outs if t.requires_grad and g is not None]
-        grads = _grad([t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs],
-                      self.keep)  # fmt: skip
+        grads = _grad(
+            [t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs], self.keep
+        )
         self._put(Task(Kind.AT, 0, 0, None, b, j), grads[1:])
         g_in = grads[0] if grads[0] is not None else torch.zeros_like(rec["leaf"])
         if not self.keep:
@@ -241,9 +268,7 @@ class _Stack:
 def _grad(outputs, inputs, grad_outputs, keep: bool):
     if len(outputs) == 0 or len(inputs) == 0:
         return [None] * len(inputs)
-    return torch.autograd.grad(
-        outputs, inputs, grad_outputs, allow_unused=True, retain_graph=keep
-    )
+    return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, retain_graph=keep)
 
 
 class _OrderedSum:

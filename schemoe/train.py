@@ -143,8 +143,13 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
     core = GPT(
-        GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every,
-                  micro_chunks=a.micro_chunks),  # fmt: skip
+        GPTConfig(
+            seq_len=a.seq_len,
+            layers=a.layers,
+            heads=a.heads,
+            moe_every=a.moe_every,
+            micro_chunks=a.micro_chunks,
+        ),
         moe_config_from_args(a),
         group=ep.ep_group,
         seed=a.seed,

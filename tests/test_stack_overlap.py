@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from schemoe import CollectiveConfig, ExpertConfig, GateConfig, MoEConfig, MoELayer, trace
-from schemoe import ScheduleConfig
-from schemoe.collectives import ALGORITHMS
-from schemoe.stack import Stage, run_stack
 from test_executor import SlowLink
 from test_stack import Attn
+
+from schemoe import (
+    CollectiveConfig,
+    ExpertConfig,
+    GateConfig,
+    MoEConfig,
+    MoELayer,
+    ScheduleConfig,
+    trace,
+)
+from schemoe.collectives import ALGORITHMS
+from schemoe.stack import Stage, run_stack
 
 M = 12
 
