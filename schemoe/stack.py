@@ -115,6 +115,7 @@ class _Stack:
         self.params = _unique(p for ps in (*self.at_p, *self.e_p, *self.po_p) for p in ps)
         self.index = {id(p): n for n, p in enumerate(self.params)}
         self.rec: dict[tuple[int, int], dict] = {}  # (block, micro) -> tensors of the call
+        self.freed = False  # a backward without retain_graph ran
 
     def schedule(self, direction: Direction):
         chunks = tuple(s.moe.schedule(direction)[0].chunks for s in self.stages)
@@ -184,7 +185,13 @@ class _Stack:
 
     # ------------------------------------------------------------ backward
     def backward(self, g_out: torch.Tensor, g_aux: torch.Tensor):
+        if self.freed:
+            raise RuntimeError(
+                "this MoE stack's backward already ran and freed its graphs; to run backward "
+                "through it again, pass retain_graph=True the first time"
+            )
         self.keep = keep_graph()
+        self.freed = not self.keep
         self.g_outs, self.g_aux = g_out.chunk(self.m), g_aux
         graph, sched = self.schedule(Direction.BACKWARD)
         # Weight gradients are summed in the sequential policy's backward order, whatever runs.

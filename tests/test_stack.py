@@ -197,3 +197,18 @@ def test_bad_stack_input_is_refused_with_the_value_named():
         Stage(Attn(), nn.Linear(M, M))
     with pytest.raises(ValueError, match="at least one stage"):
         run_stack([], torch.randn(B, L, M), 1)
+
+
+def test_a_second_backward_through_the_stack_needs_retain_graph_the_first_time():
+    stages = _stages(cfg(1.0), blocks=1)
+    x = torch.randn(B, L, M, requires_grad=True)
+    out, aux = run_stack(stages, x, 2, "wavefront")
+    loss = out.square().sum() + aux
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    assert torch.allclose(x.grad, 2 * first, rtol=1e-5, atol=1e-6)
+    out, aux = run_stack(stages, x, 2, "wavefront")
+    (out.sum() + aux).backward()
+    with pytest.raises(RuntimeError, match="retain_graph=True the first time"):
+        (out.sum() + aux).backward()
