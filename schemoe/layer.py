@@ -180,11 +180,12 @@ class MoELayer(nn.Module):
                 "yet: attach a tuner (schemoe.autotune.AutoTuner(model)) before the first call"
             )
 
-    def dispatch(self, x: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, *, balance: bool = True):
         """Steps 1-2 of forward: route x ([T, M] or [B, L, M]) and encode it into this rank's
         dispatch buffer. Returns (rows [N, M], DispatchMeta, aux loss). Collective unless the
         splits follow from the config. (The stack runtime, schemoe.stack, calls the steps one
-        by one per micro-chunk.)"""
+        by one per micro-chunk; `balance=False` leaves the load-balancing term out of aux, for
+        a caller that computes it over several calls.)"""
         self._check(x)
         cfg = self._running
         x_TM = x.reshape(-1, cfg.experts.model_dim)
@@ -193,7 +194,7 @@ class MoELayer(nn.Module):
             x_TM, self.gate_weight, cfg.gate, training=self.training, bias_E=self.expert_bias
         )
         aux = routing.probs_TE.new_zeros(())
-        if cfg.gate.aux_loss_weight > 0:
+        if cfg.gate.aux_loss_weight > 0 and balance:
             aux = aux + cfg.gate.aux_loss_weight * load_balancing_loss(
                 routing.probs_TE, routing.expert_TK
             )

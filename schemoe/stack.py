@@ -24,9 +24,10 @@ gives bitwise the results of "sequential" at the same m. Across m, the cut is al
 attention and the expert FFNs see exactly the rows they see at m = 1; what changes:
   * capacity mode: capacity is per micro-chunk, C = ceil(f k (T / m) / E) (each micro-chunk is
     a layer call of T / m tokens), so which tokens are dropped can differ from m = 1;
-  * the aux loss of a block is the mean of its m micro-chunks' aux losses (the load-balancing
-    loss is a product of per-batch means, so this differs from the whole batch's value at
-    O(1/T) relative: as in gradient accumulation over micro-batches);
+  * the aux loss is the whole batch's: the load-balancing loss E sum_e f_e P_e from f and P
+    averaged over the micro-chunks (it is a product of per-batch means: the stack computes it
+    once all micro-chunks are routed, and hands each micro-chunk's P its share of the gradient),
+    the z-loss (a mean over tokens) averaged over them;
   * dropless outputs and gradients equal m = 1 up to the order of floating-point sums (weight
     gradients summed over micro-chunks, matmuls over fewer rows).
 
@@ -116,6 +117,7 @@ class _Stack:
         self.index = {id(p): n for n, p in enumerate(self.params)}
         self.rec: dict[tuple[int, int], dict] = {}  # (block, micro) -> tensors of the call
         self.freed = False  # a backward without retain_graph ran
+        self.f_E: dict[int, torch.Tensor] = {}  # block -> its choices' fractions per expert
 
     def schedule(self, direction: Direction):
         chunks = tuple(s.moe.schedule(direction)[0].chunks for s in self.stages)
@@ -136,12 +138,28 @@ class _Stack:
         )
         last = len(self.stages) - 1
         out = torch.cat([self.rec[(last, j)]["out"].detach() for j in range(self.m)])
-        aux = sum(
-            self.rec[(b, j)]["aux"].detach() / self.m
-            for b in range(last + 1)
-            for j in range(self.m)
-        )
+        aux = 0
+        for b in range(last + 1):
+            a = 0
+            for j in range(self.m):  # the z-loss: a mean over tokens, so over micro-chunks
+                a = a + self.rec[(b, j)]["aux"].detach() / self.m
+            if self.rec[(b, 0)]["balance"] is not None:
+                a = self._balance(b) + a
+            aux = aux + a
         return out, aux
+
+    def _balance(self, b: int) -> torch.Tensor:
+        """Block b's load-balancing loss over the whole batch, w E sum_e f_e P_e, with f and P
+        the means of the micro-chunks' (equal token counts): the value m = 1 gives, as
+        gating.load_balancing_loss computes it."""
+        f_E, P_E = None, None
+        for j in range(self.m):
+            f, P = self.rec[(b, j)]["balance"]
+            f_E = f if f_E is None else f_E + f
+            P_E = P.detach() if P_E is None else P_E + P.detach()
+        gate = self.stages[b].moe.running.gate
+        self.f_E[b] = f_E = f_E / self.m
+        return gate.aux_loss_weight * (gate.num_experts * torch.sum(f_E * (P_E / self.m)))
 
     def _at(self, b: int, j: int) -> ChunkRunner:
         stage = self.stages[b]
@@ -149,7 +167,10 @@ class _Stack:
         leaf = x.detach().requires_grad_(self.grad)
         with torch.set_grad_enabled(self.grad):
             x_res, h = stage.pre(leaf)
-            rows_NM, meta, aux = stage.moe.dispatch(h)
+            rows_NM, meta, aux = stage.moe.dispatch(h, balance=False)
+            balance = None
+            if stage.moe.running.gate.aux_loss_weight > 0:
+                balance = _fractions(meta.routing), meta.routing.probs_TE.mean(0)
         region = stage.moe.region(meta)
         if self.grad:
             fn = expert_forward(region)
@@ -162,6 +183,7 @@ class _Stack:
             "rows": rows_NM,
             "meta": meta,
             "aux": aux,
+            "balance": balance,
             "region": region,
         }
         return ChunkRunner(region, rows_NM.detach(), region.forward_compressor, fn)
@@ -260,6 +282,10 @@ class _Stack:
             (rec["meta"].routing.weight_TK, rec["g_w"]),
             (rec["aux"], self.g_aux / self.m),
         ]
+        if rec["balance"] is not None:  # d(w E sum f P)/dP_j = w E f / m (the chain's order)
+            gate = self.stages[b].moe.running.gate
+            g_P = self.f_E[b] * (gate.num_experts * (gate.aux_loss_weight * self.g_aux))
+            outs.append((rec["balance"][1], g_P / self.m))
         outs = [(t, g) for t, g in outs if t.requires_grad and g is not None]
         grads = _grad(
             [t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs], self.keep
@@ -270,6 +296,16 @@ class _Stack:
             self.rec[(b, j)] = {"g_in": g_in}
         else:
             rec["g_in"] = g_in
+
+
+def _fractions(routing) -> torch.Tensor:
+    """f_E: the fraction of the T k routing choices that picked each expert (as
+    gating.load_balancing_loss counts them)."""
+    probs_TE, expert_TK = routing.probs_TE, routing.expert_TK
+    counts_E = torch.zeros(probs_TE.shape[1], device=probs_TE.device, dtype=probs_TE.dtype)
+    ones = torch.ones_like(expert_TK, dtype=probs_TE.dtype).reshape(-1)
+    counts_E.index_add_(0, expert_TK.reshape(-1), ones)
+    return counts_E / expert_TK.numel()
 
 
 def _grad(outputs, inputs, grad_outputs, keep: bool):
@@ -358,7 +394,7 @@ def run_stack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the stages on x [B, ...] cut into `micro_chunks` along the batch, under stack policy
     `policy` (scheduling.STACK_POLICIES: "sequential", "wavefront"). Returns (out [B, ...], the
-    sum over stages of each stage's aux loss averaged over micro-chunks). Collective: every
+    sum over stages of each stage's aux loss over the whole batch). Collective: every
     rank calls it with the same stages, m and policy."""
     if isinstance(micro_chunks, bool) or not isinstance(micro_chunks, int) or micro_chunks < 1:
         raise ValueError(f"micro_chunks must be an int >= 1, got {micro_chunks!r}")

@@ -111,15 +111,16 @@ def test_wavefront_gives_bitwise_the_sequential_stack_and_m1_the_plain_loop(
 
 
 def _across_m(rank, world, m):
-    # Dropless, no aux loss: the same tokens meet the same weights at any m; only the order of
-    # floating-point sums differs (weight gradients summed over micro-chunks, fewer rows per
-    # matmul). Each element is a sum of O(B L) products of O(1) values, a few fp32 ulps
-    # (1.2e-7) each: atol 2e-5 / rtol 2e-4 (moe_cases' bound) is ~10x headroom, and a wrong or
-    # dropped row would be O(1). (The load-balancing loss is not micro-chunk additive: see
-    # schemoe/stack.py, tested for its definition below.)
-    stages = _stages(cfg(0.0, aux=0.0))
+    # Dropless: the same tokens meet the same weights at any m, and the aux loss is the whole
+    # batch's; only the order of floating-point sums differs (weight gradients summed over
+    # micro-chunks, f and P of the balancing loss averaged, fewer rows per matmul). Each
+    # element is a sum of O(B L) products of O(1) values, a few fp32 ulps (1.2e-7) each:
+    # atol 2e-5 / rtol 2e-4 (moe_cases' bound) is ~10x headroom, and a wrong or dropped row,
+    # or a per-micro-chunk balancing loss (~2e-3 relative here), would exceed it.
+    stages = _stages(cfg(0.0, aux=0.5))
     one, got = _run(stages, 1, "sequential", rank), _run(stages, m, "wavefront", rank)
     close(got[0], one[0], f"output m={m}")
+    close(got[1], one[1], f"aux m={m}")
     close(got[2], one[2], f"input grad m={m}")
     for n, (u, v) in enumerate(zip(got[3], one[3])):
         close(u, v, f"grad {n} m={m}")
@@ -133,7 +134,8 @@ def test_dropless_results_at_m_micro_chunks_match_one_within_rounding(ranks, wor
 
 def _reference(rank, world, f, m, policy):
     """One stage whose output is the MoE's: against reference_moe called once per micro-chunk
-    on every rank's slice (capacity is per micro-chunk: each is a layer call of B L / m tokens)."""
+    on every rank's slice (capacity is per micro-chunk: each is a layer call of B L / m tokens)
+    and once on the whole batch for the aux loss."""
     c = cfg(f, r=2)
     torch.manual_seed(0)
     moe = MoELayer(c, seed=3)
@@ -144,17 +146,17 @@ def _reference(rank, world, f, m, policy):
     xs_gys = [_inputs(q) for q in range(world)]
     wr = {n: t.clone().requires_grad_(True) for n, t in w.items()}
     xr = [x.clone().requires_grad_(True) for x, _ in xs_gys]
-    loss, ys, rauxes = 0.0, [], []
+    # The outputs: one reference call per micro-chunk; the aux loss: the whole batch's.
+    _, raux = reference_moe([x.reshape(-1, M) for x in xr], wr, c)
+    loss, ys = sum(raux), []
     for j in range(m):
         sl = slice(j * B // m, (j + 1) * B // m)
-        y, a = reference_moe([x[sl].reshape(-1, M) for x in xr], wr, c)
+        y, _ = reference_moe([x[sl].reshape(-1, M) for x in xr], wr, c)
         loss = loss + sum((yy.view(-1, L, M) * g[sl]).sum() for yy, (_, g) in zip(y, xs_gys))
-        loss = loss + sum(a) / m
         ys.append(y[rank].view(-1, L, M))
-        rauxes.append(a[rank] / m)
     loss.backward()
     close(out, torch.cat(ys).detach(), "output")
-    close(aux, sum(rauxes).detach(), "aux")
+    close(aux, raux[rank].detach(), "aux")
     close(gx, xr[rank].grad, "input grad")
     for (name, p), g in zip(moe.named_parameters(), grads):
         if getattr(p, "schemoe_expert", False):
