@@ -89,6 +89,11 @@ def _unique(params) -> list[torch.Tensor]:
     return out
 
 
+# Graphs and schedules are plain values: built once per shape (a graph of a few hundred tasks
+# costs about a millisecond of Python to build).
+_graph = functools.lru_cache(maxsize=64)(StackGraph)
+
+
 @functools.lru_cache(maxsize=64)
 def _schedule(policy: str, graph: StackGraph, regions: tuple[tuple[Task, ...], ...]):
     return make_stack_schedule(policy, graph, regions)
@@ -121,7 +126,7 @@ class _Stack:
 
     def schedule(self, direction: Direction):
         chunks = tuple(s.moe.schedule(direction)[0].chunks for s in self.stages)
-        graph = StackGraph(chunks, self.m, self.links, direction)
+        graph = _graph(chunks, self.m, self.links, direction)
         regions = tuple(tuple(s.moe.schedule(direction)[1].order["compute"]) for s in self.stages)
         return graph, _schedule(self.policy, graph, regions)
 
