@@ -209,6 +209,10 @@ class _Stack:
             y = stage.moe.dispatcher.combine(o_NM, meta).view(rec["shape"])
             out = res + y if stage.post is None else stage.post(res, y)
         rec.update(leaves=leaves, out=out)
+        if not self.grad:  # nothing to differentiate: keep only what the call still reads
+            self.rec[(b, j)] = {k: rec[k] for k in ("out", "aux", "balance")}
+            if b > 0:
+                self.rec[(b - 1, j)]["out"] = None
 
     # ------------------------------------------------------------ backward
     def backward(self, g_out: torch.Tensor, g_aux: torch.Tensor):

@@ -11,7 +11,7 @@ from torch import nn
 
 from moe_cases import close, global_weights
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
-from schemoe.lm import _Attention
+from schemoe.lm import GPT, GPTConfig, _Attention
 from schemoe.stack import MoEStack, Stage, run_stack
 from schemoe.testing import reference_moe
 
@@ -214,3 +214,24 @@ def test_a_second_backward_through_the_stack_needs_retain_graph_the_first_time()
     (out.sum() + aux).backward()
     with pytest.raises(RuntimeError, match="retain_graph=True the first time"):
         (out.sum() + aux).backward()
+
+
+def _gpt_step(m: int):
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(seq_len=L, layers=5, heads=2, micro_chunks=m), cfg(0.0))
+    tokens = torch.randint(0, 256, (B, L), generator=torch.Generator().manual_seed(1))
+    logits, aux = gpt(tokens)
+    (logits.square().mean() + aux).backward()
+    return gpt, logits.detach(), aux.detach(), [p.grad for p in gpt.parameters()]
+
+
+def test_the_gpt_runs_its_blocks_as_a_stack_with_trailing_dense_blocks_and_matches_m1():
+    # 5 layers, MoE every 2nd: stages (block 0 + block 1's attention), (block 2 + block 3's),
+    # and block 4 (dense) in the last stage's post. Dropless: equal up to rounding (see above).
+    plain, y1, a1, g1 = _gpt_step(1)
+    stack, y2, a2, g2 = _gpt_step(2)
+    assert plain._stages == [] and len(stack._stages) == 2 and stack._stages[-1].post is not None
+    close(y2, y1, "logits")
+    close(a2, a1, "aux")
+    for n, (u, v) in enumerate(zip(g2, g1)):
+        close(u, v, f"grad {n}")
