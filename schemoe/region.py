@@ -27,10 +27,12 @@ from .scheduling.background import Background
 
 __all__ = [
     "ChunkRunner",
+    "OrderedSum",
     "Region",
     "expert_backward",
     "expert_forward",
     "expert_params",
+    "keep_graph",
     "run_region",
 ]
 
@@ -170,6 +172,41 @@ def expert_backward(
     return fn
 
 
+class OrderedSum:
+    """Per-parameter gradient sums in a fixed order: `expected[p]` lists the keys (tasks) of
+    parameter p's contributions in summation order; one that arrives before the ones ahead of
+    it waits, so the sum's rounding does not depend on the schedule that produced them."""
+
+    def __init__(self, n: int, expected: dict[int, list]) -> None:
+        self.expected, self.next = expected, [0] * n
+        self.pending: list[dict[Any, torch.Tensor | None]] = [{} for _ in range(n)]
+        self.acc: list[torch.Tensor | None] = [None] * n
+        self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
+
+    def put(self, key, idx: Sequence[int], grads) -> None:
+        """Key `key`'s contributions: grads[n] (None where unused) to parameter idx[n]."""
+        for p, g in zip(idx, grads):
+            self.pending[p][key] = g
+            q = self.expected[p]
+            while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
+                self._add(p, self.pending[p].pop(q[self.next[p]]))
+                self.next[p] += 1
+
+    def _add(self, p: int, g: torch.Tensor | None) -> None:
+        if g is None:
+            return
+        if self.acc[p] is None:
+            self.acc[p] = g  # may alias a buffer autograd passed through: not added into
+        elif self.owned[p]:
+            self.acc[p].add_(g)
+        else:
+            self.acc[p], self.owned[p] = self.acc[p] + g, True
+
+    def result(self, params) -> list[torch.Tensor]:
+        assert all(not d for d in self.pending), "a gradient arrived out of its expected set"
+        return [a if a is not None else torch.zeros_like(p) for a, p in zip(self.acc, params)]
+
+
 class _RegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
@@ -188,26 +225,15 @@ class _RegionFn(torch.autograd.Function):
             )
         keep = keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
         params = expert_params(region.experts)
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        owned = [False] * len(params)  # acc[j] is our own sum (safe to add into in place)
-
-        def add(i: int, grads) -> None:
-            for j, g in enumerate(grads):
-                if g is None:
-                    continue
-                if acc[j] is None:
-                    acc[j] = g  # may alias a buffer autograd passed through: not added into
-                elif owned[j]:
-                    acc[j].add_(g)
-                else:
-                    acc[j], owned[j] = acc[j] + g, True
-
-        expert_bwd = expert_backward(region, params, keep, add)
-        runner = ChunkRunner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
         graph, sched = region.backward
+        # Each chunk's weight gradients, summed in the order its E tasks run.
+        chunks = [t.chunk for t in sched.order["compute"] if t.kind == Kind.E]
+        acc = OrderedSum(len(params), dict.fromkeys(range(len(params)), chunks))
+        idx = list(range(len(params)))
+        expert_bwd = expert_backward(region, params, keep, lambda i, gs: acc.put(i, idx, gs))
+        runner = ChunkRunner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
         execute(sched, graph, runner, trace.active("backward"), region.background)
-        grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
-        return (None, runner.result(), *grad_params)
+        return (None, runner.result(), *acc.result(params))
 
 
 def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:

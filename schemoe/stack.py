@@ -50,7 +50,14 @@ from torch import nn
 
 from . import trace
 from .layer import MoELayer
-from .region import ChunkRunner, expert_backward, expert_forward, expert_params, keep_graph
+from .region import (
+    ChunkRunner,
+    OrderedSum,
+    expert_backward,
+    expert_forward,
+    expert_params,
+    keep_graph,
+)
 from .scheduling import Direction, Kind, StackGraph, Task, execute, make_stack_schedule
 
 __all__ = ["MoEStack", "Stage", "run_stack"]
@@ -124,11 +131,11 @@ class _Stack:
         self.freed = False  # a backward without retain_graph ran
         self.f_E: dict[int, torch.Tensor] = {}  # block -> its choices' fractions per expert
 
-    def schedule(self, direction: Direction):
+    def schedule(self, direction: Direction, policy: str | None = None):
         chunks = tuple(s.moe.schedule(direction)[0].chunks for s in self.stages)
         graph = _graph(chunks, self.m, self.links, direction)
         regions = tuple(tuple(s.moe.schedule(direction)[1].order["compute"]) for s in self.stages)
-        return graph, _schedule(self.policy, graph, regions)
+        return graph, _schedule(policy or self.policy, graph, regions)
 
     # ------------------------------------------------------------ forward
     def forward(self, x_B: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,8 +233,8 @@ class _Stack:
         self.g_outs, self.g_aux = g_out.chunk(self.m), g_aux
         graph, sched = self.schedule(Direction.BACKWARD)
         # Weight gradients are summed in the sequential policy's backward order, whatever runs.
-        order = self.schedule_of("sequential", graph).order["compute"]
-        self.acc = _OrderedSum(len(self.params), self._expected(order))
+        order = self.schedule(Direction.BACKWARD, "sequential")[1].order["compute"]
+        self.acc = OrderedSum(len(self.params), self._expected(order))
         execute(
             sched,
             graph,
@@ -237,12 +244,6 @@ class _Stack:
         )
         g_x = torch.cat([self.rec[(0, j)]["g_in"] for j in range(self.m)])
         return g_x, self.acc.result(self.params)
-
-    def schedule_of(self, policy: str, graph: StackGraph):
-        regions = tuple(
-            tuple(s.moe.schedule(graph.direction)[1].order["compute"]) for s in self.stages
-        )
-        return _schedule(policy, graph, regions)
 
     def _owner(self, t: Task) -> list[torch.Tensor]:
         return {Kind.AT: self.at_p, Kind.E: self.e_p, Kind.PO: self.po_p}[t.kind][t.block]
@@ -321,39 +322,6 @@ def _grad(outputs, inputs, grad_outputs, keep: bool):
     if len(outputs) == 0 or len(inputs) == 0:
         return [None] * len(inputs)
     return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, retain_graph=keep)
-
-
-class _OrderedSum:
-    """Per-parameter gradient sums in a fixed order: a contribution that arrives before the ones
-    ahead of it waits, so the sum's rounding does not depend on the schedule."""
-
-    def __init__(self, n: int, expected: dict[int, list[Task]]) -> None:
-        self.expected, self.next = expected, [0] * n
-        self.pending: list[dict[Task, torch.Tensor | None]] = [{} for _ in range(n)]
-        self.acc: list[torch.Tensor | None] = [None] * n
-        self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
-
-    def put(self, task: Task, idx: list[int], grads) -> None:
-        for p, g in zip(idx, grads):
-            self.pending[p][task] = g
-            q = self.expected[p]
-            while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
-                self._add(p, self.pending[p].pop(q[self.next[p]]))
-                self.next[p] += 1
-
-    def _add(self, p: int, g: torch.Tensor | None) -> None:
-        if g is None:
-            return
-        if self.acc[p] is None:
-            self.acc[p] = g  # may alias a buffer autograd passed through: not added into
-        elif self.owned[p]:
-            self.acc[p].add_(g)
-        else:
-            self.acc[p], self.owned[p] = self.acc[p] + g, True
-
-    def result(self, params) -> list[torch.Tensor]:
-        assert all(not d for d in self.pending), "a gradient arrived out of its expected set"
-        return [a if a is not None else torch.zeros_like(p) for a, p in zip(self.acc, params)]
 
 
 class _Tasks:
