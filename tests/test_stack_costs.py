@@ -9,7 +9,7 @@ import pytest
 
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import CostModel
-from schemoe.costmodel.stack import predict_stack
+from schemoe.costmodel.stack import choose_micro, predict_stack
 from schemoe.costmodel.step import StepShape, block_forward
 from schemoe.scheduling import Direction, TaskGraph, make_schedule, simulator
 
@@ -42,3 +42,21 @@ def test_wavefront_hides_a_slow_links_all_to_alls_behind_other_micro_chunks_atte
 def test_a_micro_chunk_count_that_does_not_divide_the_batch_is_refused():
     with pytest.raises(ValueError, match="micro must be >= 1 and divide batch 8, got 3"):
         predict_stack(preset("local"), SHAPE, micro=3)
+
+
+def test_gradient_buckets_join_the_backward_stack_on_the_link():
+    hw = preset("local")
+    plain = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2)
+    synced = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2, grad_sync=True)
+    assert {"AR.0", "AR.1"} <= {e.task for e in synced.events if e.resource == "net"}
+    assert synced.forward_s == plain.forward_s and synced.backward_s > plain.backward_s
+
+
+def test_choose_micro_picks_the_fastest_predicted_micro_chunk_count():
+    slow = Link(alpha=1e-5, beta=2e7)
+    bandwidth_bound = replace(preset("local"), intra=slow, inter=slow)
+    m, preds = choose_micro(bandwidth_bound, SHAPE, "schemoe", "naive", 1)
+    assert set(preds) == {1, 2, 4, 8} and m > 1
+    assert preds[m].step_s == min(p.step_s for p in preds.values())
+    # latency-bound (the local preset's 1.6 ms per all-to-all): cutting the batch does not pay
+    assert choose_micro(preset("local"), SHAPE, "schemoe", "naive", 2)[0] == 1
