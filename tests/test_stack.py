@@ -10,7 +10,15 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_cases import close, global_weights
-from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
+from schemoe import (
+    CollectiveConfig,
+    ExpertConfig,
+    GateConfig,
+    MoEConfig,
+    MoELayer,
+    ParallelConfig,
+    ScheduleConfig,
+)
 from schemoe.lm import GPT, GPTConfig, _Attention
 from schemoe.stack import MoEStack, Stage, run_stack
 from schemoe.testing import reference_moe
@@ -18,11 +26,15 @@ from schemoe.testing import reference_moe
 E, M, H, B, L = 8, 12, 20, 4, 5
 
 
-def cfg(f: float, region: str = "schemoe", r: int = 2, aux: float = 0.01) -> MoEConfig:
+def cfg(
+    f: float, region: str = "schemoe", r: int = 2, aux: float = 0.01, algorithm: str = "naive"
+) -> MoEConfig:
     return MoEConfig(
         gate=GateConfig(num_experts=E, top_k=2, capacity_factor=f, aux_loss_weight=aux),
         experts=ExpertConfig(model_dim=M, hidden_dim=H),
+        parallel=ParallelConfig(ranks_per_node=2),
         schedule=ScheduleConfig(policy=region, chunks=r),
+        collective=CollectiveConfig(algorithm=algorithm),
     )
 
 
@@ -84,8 +96,8 @@ def _bitwise(a, b, what):
         assert torch.equal(u, v), f"grad {n} {what}"
 
 
-def _policies_agree(rank, world, f, m, region):
-    stages = _stages(cfg(f, region))
+def _policies_agree(rank, world, f, m, region, algorithm="naive"):
+    stages = _stages(cfg(f, region, algorithm=algorithm))
     base = _run(stages, m, "sequential", rank)
     _bitwise(_run(stages, m, "wavefront", rank), base, f"wavefront {f=} {m=} {region}")
     if m == 1:
@@ -94,20 +106,21 @@ def _policies_agree(rank, world, f, m, region):
 
 
 @pytest.mark.parametrize(
-    "world,f,m,region",
+    "world,f,m,region,algorithm",
     [
-        (2, 1.0, 2, "schemoe"),
-        (2, 0.0, 4, "schemoe"),
-        (2, 0.0, 1, "schemoe"),
-        (2, 1.0, 1, "tutel"),
-        (4, 1.0, 4, "sequential"),
-        (4, 0.0, 2, "tutel"),
+        (2, 1.0, 2, "schemoe", "naive"),
+        (2, 0.0, 4, "schemoe", "naive"),
+        (2, 0.0, 1, "schemoe", "naive"),
+        (2, 1.0, 1, "tutel", "naive"),
+        (4, 1.0, 4, "sequential", "naive"),
+        (4, 0.0, 2, "tutel", "naive"),
+        (4, 1.0, 2, "schemoe", "pipe"),  # two links: intra and inter
     ],
 )
 def test_wavefront_gives_bitwise_the_sequential_stack_and_m1_the_plain_loop(
-    ranks, world, f, m, region
+    ranks, world, f, m, region, algorithm
 ):
-    assert all(ranks(world).run(_policies_agree, f, m, region))
+    assert all(ranks(world).run(_policies_agree, f, m, region, algorithm))
 
 
 def _across_m(rank, world, m):
