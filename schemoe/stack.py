@@ -20,7 +20,8 @@ micro-chunks' attention backward.
 
 Arithmetic and order: every task computes the same thing whatever the policy; weight gradients
 are summed in one fixed order (the sequential policy's backward order), so every stack policy
-gives bitwise the results of "sequential" at the same m. Across m, the cut is along the batch:
+gives bitwise the results of "sequential" at the same m (at m > 1 random draws, router noise or
+dropout, come from one CPU stream per block and micro-chunk). Across m, the cut is along the batch:
 attention and the expert FFNs see exactly the rows they see at m = 1; what changes:
   * capacity mode: capacity is per micro-chunk, C = ceil(f k (T / m) / E) (each micro-chunk is
     a layer call of T / m tokens), so which tokens are dropped can differ from m = 1;
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -140,6 +142,10 @@ class _Stack:
     # ------------------------------------------------------------ forward
     def forward(self, x_B: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         self.grad, self.xs = grad, x_B.chunk(self.m)
+        # m > 1: each (block, micro-chunk) draws its random numbers (router noise, dropout) from
+        # a stream of its own, seeded from one draw of the global generator, so they do not
+        # depend on the order a policy runs the tasks in. (m = 1: the plain loop's draws.)
+        self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if self.m > 1 else None
         graph, sched = self.schedule(Direction.FORWARD)
         execute(
             sched,
@@ -177,7 +183,7 @@ class _Stack:
         stage = self.stages[b]
         x = self.xs[j] if b == 0 else self.rec[(b - 1, j)]["out"]
         leaf = x.detach().requires_grad_(self.grad)
-        with torch.set_grad_enabled(self.grad):
+        with torch.set_grad_enabled(self.grad), _stream(self.seed, b, j):
             x_res, h = stage.pre(leaf)
             rows_NM, meta, aux = stage.moe.dispatch(h, balance=False)
             balance = None
@@ -306,6 +312,18 @@ class _Stack:
             self.rec[(b, j)] = {"g_in": g_in}
         else:
             rec["g_in"] = g_in
+
+
+@contextmanager
+def _stream(seed: int | None, b: int, j: int):
+    """The CPU generator seeded for block b, micro-chunk j (restored after); None: untouched.
+    CUDA generators are not forked (not yet run on CUDA: draws there follow the task order)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed + 1_000_003 * b + j)
+        yield
 
 
 def _fractions(routing) -> torch.Tensor:

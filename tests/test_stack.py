@@ -248,3 +248,22 @@ def test_the_gpt_runs_its_blocks_as_a_stack_with_trailing_dense_blocks_and_match
     close(a2, a1, "aux")
     for n, (u, v) in enumerate(zip(g2, g1)):
         close(u, v, f"grad {n}")
+
+
+def test_router_noise_is_drawn_per_micro_chunk_so_policies_stay_bitwise_equal():
+    c = cfg(1.0)
+    c = MoEConfig(
+        gate=GateConfig(num_experts=E, top_k=2, capacity_factor=1.0, noise_std=1.0),
+        experts=c.experts,
+        parallel=c.parallel,
+        schedule=c.schedule,
+    )
+    stages = _stages(c)
+    runs = {}
+    for policy in ("sequential", "wavefront", "sequential"):
+        torch.manual_seed(7)
+        runs.setdefault(policy, []).append(_run(stages, 2, policy, 0))
+    _bitwise(runs["wavefront"][0], runs["sequential"][0], "with router noise")
+    _bitwise(runs["sequential"][1], runs["sequential"][0], "repeated")
+    torch.manual_seed(8)  # another draw: other noise, so the noise is really on
+    assert not torch.equal(_run(stages, 2, "wavefront", 0)[0], runs["sequential"][0][0])
