@@ -38,6 +38,9 @@ DDP marks a bucket ready when autograd accumulates its weights' gradients, which
 inside the stack is when the stack's backward returns (they are outputs of one Function).
 Not supported: double backward; layers whose policy is "auto"/"search" until a tuner has
 configured them (the tuner's hooks see MoELayer calls, which the stack does not make).
+
+(Over 400 lines: forward, backward and the autograd Function of one runtime share one per-call
+state object, `_Stack`; split, they would hand it through another module.)
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import torch
 from torch import nn
 
 from . import trace
+from .gating.losses import choice_fractions
 from .layer import MoELayer
 from .region import (
     ChunkRunner,
@@ -188,7 +192,8 @@ class _Stack:
             rows_NM, meta, aux = stage.moe.dispatch(h, balance=False)
             balance = None
             if stage.moe.running.gate.aux_loss_weight > 0:
-                balance = _fractions(meta.routing), meta.routing.probs_TE.mean(0)
+                r = meta.routing
+                balance = choice_fractions(r.probs_TE, r.expert_TK), r.probs_TE.mean(0)
         region = stage.moe.region(meta)
         if self.grad:
             fn = expert_forward(region)
@@ -324,16 +329,6 @@ def _stream(seed: int | None, b: int, j: int):
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed + 1_000_003 * b + j)
         yield
-
-
-def _fractions(routing) -> torch.Tensor:
-    """f_E: the fraction of the T k routing choices that picked each expert (as
-    gating.load_balancing_loss counts them)."""
-    probs_TE, expert_TK = routing.probs_TE, routing.expert_TK
-    counts_E = torch.zeros(probs_TE.shape[1], device=probs_TE.device, dtype=probs_TE.dtype)
-    ones = torch.ones_like(expert_TK, dtype=probs_TE.dtype).reshape(-1)
-    counts_E.index_add_(0, expert_TK.reshape(-1), ones)
-    return counts_E / expert_TK.numel()
 
 
 def _grad(outputs, inputs, grad_outputs, keep: bool):
