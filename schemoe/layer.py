@@ -29,7 +29,7 @@ from .dispatcher import TokenDispatcher
 from .experts import BatchedFFN, ModuleExperts
 from .gating import load_balancing_loss, route, router_z_loss, update_balance_bias
 from .region import Region, run_region
-from .scheduling import POLICIES, Direction, TaskGraph, make_schedule
+from .scheduling import POLICIES, Direction, Schedule, TaskGraph, make_schedule
 from .scheduling.background import Background
 from .topology import Topology
 
@@ -238,7 +238,12 @@ class MoELayer(nn.Module):
                 "DDP(schemoe.ddp_ignore_experts(model))"
             )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, *, balance: bool = True):
+        """Steps 1-2 of forward: route x ([T, M] or [B, L, M]) and encode it into this rank's
+        dispatch buffer. Returns (rows [N, M], DispatchMeta, aux loss). Collective unless the
+        splits follow from the config. (The stack runtime, schemoe.stack, calls the steps one
+        by one per micro-chunk; `balance=False` leaves the load-balancing term out of aux, for
+        a caller that computes it over several calls.)"""
         self._check(x)
         self._check_ddp()
         cfg = self._running
@@ -248,7 +253,7 @@ class MoELayer(nn.Module):
             x_TM, self.gate_weight, cfg.gate, training=self.training, bias_E=self.expert_bias
         )
         aux = routing.probs_TE.new_zeros(())
-        if cfg.gate.aux_loss_weight > 0:
+        if cfg.gate.aux_loss_weight > 0 and balance:
             aux = aux + cfg.gate.aux_loss_weight * load_balancing_loss(
                 routing.probs_TE, routing.expert_TK
             )
@@ -263,8 +268,11 @@ class MoELayer(nn.Module):
             self._tally(routing, cfg.gate.num_experts)
         # 2. Tokens into the expert-major buffer; splits and the chunk plan.
         rows_NM, meta = self.dispatcher.dispatch(x_TM, routing, dropless=cfg.gate.dropless)
-        # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
-        region = Region(
+        return rows_NM, meta, aux
+
+    def region(self, meta) -> Region:
+        """Step 3's region for one call: the chunk plan of `meta` under the running schedules."""
+        return Region(
             meta.plan,
             self.algorithm,
             self.forward_compressor,
@@ -274,7 +282,19 @@ class MoELayer(nn.Module):
             self._schedules[Direction.BACKWARD],
             self.background,
         )
-        out_NM = run_region(region, rows_NM)
+
+    def schedule(self, direction: Direction | str) -> tuple[TaskGraph, Schedule]:
+        """The running region's (TaskGraph, Schedule) of `direction`."""
+        if self._running is None:
+            raise RuntimeError(
+                f"this MoELayer (policy {self.config.schedule.policy!r}) is not configured yet"
+            )
+        return self._schedules[Direction(direction)]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows_NM, meta, aux = self.dispatch(x)
+        # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
+        out_NM = run_region(self.region(meta), rows_NM)
         # 4. Weighted sum back in token order.
         y_TM = self.dispatcher.combine(out_NM, meta)
         return y_TM.view(x.shape), aux

@@ -7,6 +7,12 @@ windows of the eval loss.
 
 Blocks alternate a dense FFN and an MoE FFN (MoE in every other block, starting with the second),
 pre-norm, causal self-attention via scaled_dot_product_attention, tied input/output embeddings.
+
+With `micro_chunks` m > 1 the blocks run as a scheduled stack (schemoe/stack.py): each MoE block
+is a stage (pre: the dense blocks before it, its norm, attention and residual, its MoE norm;
+post: the residual, and in the last stage any dense blocks after it), the batch cut into m
+micro-chunks under `stack_policy`. m = 1, or a batch m does not divide (an eval remainder), runs
+the plain per-block loop.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from torch import nn
 from .config import MoEConfig
 from .devices import control_zeros
 from .layer import MoELayer
+from .scheduling import STACK_POLICIES
+from .stack import Stage, run_stack
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -34,12 +42,15 @@ class GPTConfig:
     layers: int = 4
     heads: int = 4
     moe_every: int = 2
+    micro_chunks: int = 1
+    stack_policy: str = "wavefront"
 
     def __post_init__(self) -> None:
-        for n in ("vocab", "seq_len", "layers", "heads", "moe_every"):
+        for n in ("vocab", "seq_len", "layers", "heads", "moe_every", "micro_chunks"):
             v = getattr(self, n)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
+        STACK_POLICIES.get(self.stack_policy)  # ValueError listing the known ones
 
 
 class _Attention(nn.Module):
@@ -76,6 +87,47 @@ class _Block(nn.Module):
         return x + y, aux
 
 
+class _Pre(nn.Module):
+    """A stack stage's pre: the dense blocks before an MoE block, then its attention half."""
+
+    def __init__(self, dense: list[_Block], block: _Block) -> None:
+        super().__init__()
+        self.dense, self.block = nn.ModuleList(dense), block
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for blk in self.dense:
+            x, _ = blk(x)
+        x = x + self.block.attn(self.block.ln1(x))
+        return x, self.block.ln2(x)
+
+
+class _Post(nn.Module):
+    """The last stage's post: the residual, then the dense blocks after the last MoE block."""
+
+    def __init__(self, dense: list[_Block]) -> None:
+        super().__init__()
+        self.dense = nn.ModuleList(dense)
+
+    def forward(self, x_res: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x_res + y
+        for blk in self.dense:
+            x, _ = blk(x)
+        return x
+
+
+def _stack_stages(blocks: list[_Block]) -> list[Stage]:
+    stages, dense = [], []
+    for blk in blocks:
+        if blk.moe:
+            stages.append(Stage(_Pre(dense, blk), blk.ffn))
+            dense = []
+        else:
+            dense.append(blk)
+    if stages and dense:
+        stages[-1] = Stage(stages[-1].pre, stages[-1].moe, _Post(dense))
+    return stages
+
+
 class GPT(nn.Module):
     """forward(tokens [B, L]) -> (logits [B, L, V], summed aux loss of the MoE layers)."""
 
@@ -95,6 +147,8 @@ class GPT(nn.Module):
                 ffn = nn.Sequential(nn.Linear(M, H), nn.GELU(), nn.Linear(H, M))
             blocks.append(_Block(M, cfg.heads, ffn, is_moe))
         self.blocks = nn.ModuleList(blocks)
+        # The same blocks as stack stages (a plain list: not registered twice as submodules).
+        self._stages = _stack_stages(blocks) if cfg.micro_chunks > 1 else []
         self.ln_f = nn.LayerNorm(M)
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
@@ -106,6 +160,9 @@ class GPT(nn.Module):
             )
         x = self.embed(tokens_BL) + self.pos[: tokens_BL.shape[1]]
         aux = x.new_zeros(())
+        if self._stages and tokens_BL.shape[0] % self.cfg.micro_chunks == 0:
+            x, a = run_stack(self._stages, x, self.cfg.micro_chunks, self.cfg.stack_policy)
+            return self.ln_f(x) @ self.embed.weight.t(), aux + a
         for blk in self.blocks:
             x, a = blk(x)
             aux = aux + a

@@ -25,7 +25,16 @@ from .layout import Chunk
 from .scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from .scheduling.background import Background
 
-__all__ = ["Region", "run_region"]
+__all__ = [
+    "ChunkRunner",
+    "OrderedSum",
+    "Region",
+    "expert_backward",
+    "expert_forward",
+    "expert_params",
+    "keep_graph",
+    "run_region",
+]
 
 
 @dataclass
@@ -48,9 +57,10 @@ class Region:
         return tuple(self.algorithm.links)
 
 
-class _Runner:
-    """Maps the tasks of one direction onto tensors. Forward and backward differ only in the
-    source rows, the compressor and what the expert task does."""
+class ChunkRunner:
+    """Maps the region tasks of one direction onto tensors (the executor's TaskRunner; the stack
+    runtime runs one per block and micro-chunk). Forward and backward differ only in the source
+    rows, the compressor and what the expert task does: `expert_fn(chunk, rows, counts)`."""
 
     def __init__(self, region: Region, src_NM: torch.Tensor, comp, expert_fn: Callable) -> None:
         self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
@@ -115,28 +125,92 @@ class _Runner:
         return self.out
 
 
-def _keep_graph() -> bool:
+def keep_graph() -> bool:
     """Whether the backward running now keeps its graph (retain_graph=True). torch says so only
     through a private function; without it a second backward raises the clear error below."""
     probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(probe()) if probe is not None else False
 
 
-def _params(experts: nn.Module) -> list[nn.Parameter]:
+def expert_params(experts: nn.Module) -> list[nn.Parameter]:
     return [p for p in experts.parameters() if p.requires_grad]
+
+
+def expert_forward(region: Region) -> Callable:
+    """The expert task of a forward that will be differentiated: each chunk's expert graph is
+    built on a leaf and kept in `region.saved` for `expert_backward`."""
+
+    def fn(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        leaf = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = region.experts(leaf, counts)
+        region.saved[i] = (leaf, y)
+        return y.detach()
+
+    return fn
+
+
+def expert_backward(
+    region: Region, params: Sequence[torch.Tensor], keep: bool, on_grads: Callable
+) -> Callable:
+    """The expert task of backward: chunk i's input gradient from its saved graph; the weight
+    gradients go to `on_grads(i, grads)` (one entry per param, None where unused)."""
+
+    def fn(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if i not in region.saved:
+            raise RuntimeError(
+                "this MoE region's backward already ran and freed its expert graphs; to "
+                "run backward through it again, pass retain_graph=True the first time"
+            )
+        leaf, y = region.saved[i] if keep else region.saved.pop(i)
+        grads = torch.autograd.grad(
+            y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
+        )
+        on_grads(i, grads[1:])
+        return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+
+    return fn
+
+
+class OrderedSum:
+    """Per-parameter gradient sums in a fixed order: `expected[p]` lists the keys (tasks) of
+    parameter p's contributions in summation order; one that arrives before the ones ahead of
+    it waits, so the sum's rounding does not depend on the schedule that produced them."""
+
+    def __init__(self, n: int, expected: dict[int, list]) -> None:
+        self.expected, self.next = expected, [0] * n
+        self.pending: list[dict[Any, torch.Tensor | None]] = [{} for _ in range(n)]
+        self.acc: list[torch.Tensor | None] = [None] * n
+        self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
+
+    def put(self, key, idx: Sequence[int], grads) -> None:
+        """Key `key`'s contributions: grads[n] (None where unused) to parameter idx[n]."""
+        for p, g in zip(idx, grads):
+            self.pending[p][key] = g
+            q = self.expected[p]
+            while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
+                self._add(p, self.pending[p].pop(q[self.next[p]]))
+                self.next[p] += 1
+
+    def _add(self, p: int, g: torch.Tensor | None) -> None:
+        if g is None:
+            return
+        if self.acc[p] is None:
+            self.acc[p] = g  # may alias a buffer autograd passed through: not added into
+        elif self.owned[p]:
+            self.acc[p].add_(g)
+        else:
+            self.acc[p], self.owned[p] = self.acc[p] + g, True
+
+    def result(self, params) -> list[torch.Tensor]:
+        assert all(not d for d in self.pending), "a gradient arrived out of its expected set"
+        return [a if a is not None else torch.zeros_like(p) for a, p in zip(self.acc, params)]
 
 
 class _RegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
-        def expert_fwd(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-            leaf = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = region.experts(leaf, counts)
-            region.saved[i] = (leaf, y)
-            return y.detach()
-
-        out_NM = _run_forward(region, rows_NM, expert_fwd)
+        out_NM = _run_forward(region, rows_NM, expert_forward(region))
         ctx.region = region
         ctx.n_params = len(params)
         return out_NM
@@ -149,41 +223,21 @@ class _RegionFn(torch.autograd.Function):
                 "double backward (create_graph=True) through a scheduled MoE region is not "
                 "supported: its backward runs the experts' gradients outside the graph"
             )
-        keep = _keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
-        params = _params(region.experts)
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        owned = [False] * len(params)  # acc[j] is our own sum (safe to add into in place)
-
-        def expert_bwd(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-            if i not in region.saved:
-                raise RuntimeError(
-                    "this MoE region's backward already ran and freed its expert graphs; to "
-                    "run backward through it again, pass retain_graph=True the first time"
-                )
-            leaf, y = region.saved[i] if keep else region.saved.pop(i)
-            grads = torch.autograd.grad(
-                y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
-            )
-            for j, g in enumerate(grads[1:]):
-                if g is None:
-                    continue
-                if acc[j] is None:
-                    acc[j] = g  # may alias a buffer autograd passed through: not added into
-                elif owned[j]:
-                    acc[j].add_(g)
-                else:
-                    acc[j], owned[j] = acc[j] + g, True
-            return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
-
-        runner = _Runner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
+        keep = keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
+        params = expert_params(region.experts)
         graph, sched = region.backward
+        # Each chunk's weight gradients, summed in the order its E tasks run.
+        chunks = [t.chunk for t in sched.order["compute"] if t.kind == Kind.E]
+        acc = OrderedSum(len(params), dict.fromkeys(range(len(params)), chunks))
+        idx = list(range(len(params)))
+        expert_bwd = expert_backward(region, params, keep, lambda i, gs: acc.put(i, idx, gs))
+        runner = ChunkRunner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
         execute(sched, graph, runner, trace.active("backward"), region.background)
-        grad_params = [a if a is not None else torch.zeros_like(p) for a, p in zip(acc, params)]
-        return (None, runner.result(), *grad_params)
+        return (None, runner.result(), *acc.result(params))
 
 
 def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:
-    runner = _Runner(region, rows_NM, region.forward_compressor, expert_fn)
+    runner = ChunkRunner(region, rows_NM, region.forward_compressor, expert_fn)
     graph, sched = region.forward
     execute(sched, graph, runner, trace.active("forward"), region.background)
     return runner.result()
@@ -191,7 +245,7 @@ def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> 
 
 def run_region(region: Region, rows_NM: torch.Tensor) -> torch.Tensor:
     """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows."""
-    params = _params(region.experts)
+    params = expert_params(region.experts)
     if not torch.is_grad_enabled() or not (rows_NM.requires_grad or params):
         return _run_forward(region, rows_NM, lambda i, x, counts: region.experts(x, counts))
     return _RegionFn.apply(region, rows_NM, *params)

@@ -192,7 +192,13 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
     core = GPT(
-        GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every),
+        GPTConfig(
+            seq_len=a.seq_len,
+            layers=a.layers,
+            heads=a.heads,
+            moe_every=a.moe_every,
+            micro_chunks=a.micro_chunks,
+        ),
         moe_config_from_args(a, world),
         group=ep.ep_group,
         seed=a.seed,
@@ -362,7 +368,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "device": dev.type,
         "dtype": a.dtype,
         "grad_accum": a.grad_accum,
-        **{k: getattr(a, k) for k in ("policy", "chunks", "algorithm", "compressor")},
+        **{k: getattr(a, k) for k in ("policy", "chunks", "micro_chunks", "algorithm", "compressor")},
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,

@@ -127,6 +127,7 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
         ("layers", 1),
         ("heads", 1),
         ("moe_every", 1),
+        ("micro_chunks", 1),
         ("save_every", 0),
         ("eval_every", 0),
         ("eval_seqs", 0),
@@ -138,6 +139,10 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
     ):
         if (v := getattr(a, n)) is not None and v < lo:
             raise ValueError(f"{_flag(n)} must be >= {lo}, got {v}")
+    if a.batch % a.micro_chunks:
+        raise ValueError(f"--batch {a.batch} must be divisible by --micro-chunks {a.micro_chunks}")
+    if a.micro_chunks > 1 and a.policy in ("auto", "search"):
+        raise ValueError(f"--micro-chunks > 1 needs a fixed --policy, got {a.policy!r}")
     for n, lo, hi, strict in (
         ("lr", 0.0, math.inf, True),
         ("min_lr_ratio", 0.0, 1.0, False),
@@ -348,6 +353,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--policy", default="schemoe",
       help=f"schedule policy: {', '.join(POLICIES.names())}, or auto (the cost model chooses)")  # fmt: skip
     m("--chunks", type=int, default=2, help="r, chunks per layer call")
+    m("--micro-chunks", type=int, default=1,
+      help="m: the batch cut into m micro-chunks pipelined through the blocks (1: off)")  # fmt: skip
     m("--budget", choices=("lossless", "fp16", "lossy"), default="lossless",
       help="auto: the compressors it may choose")  # fmt: skip
     m("--trials", type=int, default=5, help="auto: timed calls per shortlisted candidate")

@@ -146,3 +146,23 @@ def test_bench_step_refuses_a_peer_that_is_not_installed_or_known(capfd):
     args = _parse(["bench", "step", "--peer", "megablocks"])
     assert args.func(args) == 2
     assert "--peer must be deepspeed" in capfd.readouterr().err
+
+
+def test_bench_step_runs_a_row_per_micro_chunk_count(capfd):
+    args = _parse(["bench", "step", "--nproc", "2", "--dim", "32", "--hidden", "64",
+                   "--layers", "2", "--seq-len", "16", "--batch", "4", "--heads", "2",
+                   "--micro-chunks", "1,2", "--grad-syncs", "scheduled",
+                   "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
+    assert args.func(args) == 0
+    rows = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
+    assert [(r["micro_chunks"], r["grad_sync"]) for r in rows] == [
+        (1, "scheduled"),
+        (2, "scheduled"),
+    ]
+    assert all(r["median_ms"] > 0 for r in rows)
+
+
+def test_bench_step_refuses_micro_chunks_that_do_not_divide_the_batch(capfd):
+    args = _parse(["bench", "step", "--batch", "4", "--micro-chunks", "1,3"])
+    assert args.func(args) == 2
+    assert "--micro-chunks must be >= 1 and divide --batch 4, got [1, 3]" in capfd.readouterr().err

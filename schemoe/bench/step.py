@@ -2,7 +2,8 @@
 
 A sample is one step: zero_grad; logits, aux = model(tokens); cross-entropy + aux; backward
 (the dense-gradient sync included); global-norm clipping; AdamW step; the loss all-reduce.
-Candidates are every combination of --policies x --chunks x --grad-syncs x --grad-compressors, and
+Candidates are every combination of --policies x --chunks x --micro-chunks x --grad-syncs x
+--grad-compressors (micro-chunks m > 1: the blocks run as a wavefront stack, schemoe/stack.py), and
 with `--peer deepspeed` the same model (same dense parts, E, k, f) with DeepSpeed-MoE's layer
 under DDP (its experts left out of DDP, as DeepSpeed's own engine does).
 
@@ -63,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="comma list of none, bf16, fp16")  # fmt: skip
     a("--grad-algorithm", choices=("flat", "hier"), default="flat", help="scheduled sync")
     a("--bucket-mb", type=float, default=1.0, help="DDP bucket MiB for every row")
+    a("--micro-chunks", type=lambda s: [int(v) for v in _csv(s)], default=[1],
+      help="comma list of m, micro-chunks pipelined through the blocks")  # fmt: skip
     a("--peer", type=_csv, default=[], help="deepspeed: DeepSpeed-MoE's layer, same model")
     m = p.add_argument_group("the model (schemoe train's flags)").add_argument
     m("--model-dim", type=int, default=128, help="model dim M")
@@ -96,6 +99,10 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--grad-compressors must list {sorted(COMPRESS)}, got {s!r}")
     if any(r < 1 for r in args.chunks):
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if any(m < 1 or args.batch % m for m in args.micro_chunks):
+        raise ValueError(
+            f"--micro-chunks must be >= 1 and divide --batch {args.batch}, got {args.micro_chunks}"
+        )
     if "deepspeed" in args.peer and args.top_k not in (1, 2):
         raise ValueError(f"--peer deepspeed needs --top-k 1 or 2, got {args.top_k}")
     for p in args.peer:
@@ -116,10 +123,14 @@ def _moe_config(args, rpn: int, policy: str = "sequential", r: int = 1) -> c.MoE
     )
 
 
-def _gpt(args, moe: c.MoEConfig, group=None) -> GPT:
+def _gpt(args, moe: c.MoEConfig, group=None, micro: int = 1) -> GPT:
     torch.manual_seed(0)  # the same dense weights in every candidate and on every rank
     cfg = GPTConfig(
-        seq_len=args.seq_len, layers=args.layers, heads=args.heads, moe_every=args.moe_every
+        seq_len=args.seq_len,
+        layers=args.layers,
+        heads=args.heads,
+        moe_every=args.moe_every,
+        micro_chunks=micro,
     )
     return GPT(cfg, moe, group=group, seed=0)
 
@@ -231,9 +242,11 @@ def bench(args: argparse.Namespace, env) -> None:
     tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     cands, rows, first, cores = {}, [], None, {}
-    combos = itertools.product(args.policies, args.chunks, args.grad_sync, args.grad_compress)
-    for pol, r, sync, comp in combos:
-        core = _gpt(args, _moe_config(args, rpn, pol, r))
+    combos = itertools.product(
+        args.policies, args.chunks, args.micro_chunks, args.grad_sync, args.grad_compress
+    )
+    for pol, r, mc, sync, comp in combos:
+        core = _gpt(args, _moe_config(args, rpn, pol, r), micro=mc)
         if pol in TUNED:
             AutoTuner(core)
         model, _ = data_parallel(
@@ -245,11 +258,11 @@ def bench(args: argparse.Namespace, env) -> None:
             ranks_per_node=rpn,
         )
         first = first or core
-        name = f"{pol}/r{r}/{sync}/{comp}"
+        name = f"{pol}/r{r}/{sync}/{comp}" if mc == 1 else f"{pol}/r{r}/m{mc}/{sync}/{comp}"
         cands[name] = _step(model, core, _optimizer(core), tokens, targets, world)
         cores[name] = core
         rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
-                     "micro_chunks": 1, "_n": name})  # fmt: skip
+                     "micro_chunks": mc, "_n": name})  # fmt: skip
     for peer in args.peer:
         core = _gpt(args, _moe_config(args, rpn))
         for blk in core.blocks:
@@ -309,7 +322,7 @@ def bench(args: argparse.Namespace, env) -> None:
         "world_size": world,
         "ranks_per_node": rpn,
     }
-    cols = ["policy", "chunks", "grad_sync", "grad_compress", "median_ms", "p10_ms", "p90_ms",
+    cols = ["policy", "chunks", "micro_chunks", "grad_sync", "grad_compress", "median_ms", "p10_ms", "p90_ms",
             "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
     timer.report(head, rows, cols, summary)
 

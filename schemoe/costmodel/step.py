@@ -43,7 +43,14 @@ from .hardware import Hardware
 from .model import LayerShape, copy_time
 from .prediction import predict
 
-__all__ = ["StepPrediction", "StepShape", "allreduce_time", "explore_step", "predict_step"]
+__all__ = [
+    "StepPrediction",
+    "StepShape",
+    "allreduce_time",
+    "block_forward",
+    "explore_step",
+    "predict_step",
+]
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,8 @@ def _gemm(hw: Hardware, flops: float, gemms: int) -> float:
     return (gemms * hw.gemm_alpha + flops / hw.flops) * hw.compute_factor
 
 
-def _block_forward(hw: Hardware, sh: StepShape, moe: bool) -> float:
+def block_forward(hw: Hardware, sh: StepShape, moe: bool) -> float:
+    """Seconds of one block's dense forward: attention and norms (and the dense FFN if not moe)."""
     T, L, M, H = sh.tokens, sh.seq_len, sh.model_dim, sh.hidden
     t = _gemm(hw, 2 * T * M * 3 * M + 2 * T * M * M + 4 * T * L * M, 4)
     t += copy_time(hw, 12 * T * M * 4) * hw.compute_factor
@@ -186,14 +194,14 @@ def predict_step(
     head = _gemm(hw, 2 * T * M * V, 1) + copy_time(hw, 3 * T * V * 4) * hw.compute_factor
     forward = head + hw.step_overhead
     for i in range(shape.layers):
-        forward += _block_forward(hw, shape, shape.is_moe(i))
+        forward += block_forward(hw, shape, shape.is_moe(i))
         if shape.is_moe(i):
             forward += layer.forward_s + layer.outside_s / 2
     # Backward, last block first; segments: (compute seconds, link intervals, gradient bytes).
     ratio = wire[grad_compress] / 4
     segments = [(2 * head, [], 4.0 * (V * M + 2 * M))]
     for i in reversed(range(shape.layers)):
-        dense = 2 * _block_forward(hw, shape, shape.is_moe(i))
+        dense = 2 * block_forward(hw, shape, shape.is_moe(i))
         grads = 4.0 * shape.block_dense_params(i)
         if shape.is_moe(i):
             segments.append((region_bwd, a2a, 0.0))

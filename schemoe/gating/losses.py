@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["load_balancing_loss", "router_z_loss", "update_balance_bias"]
+__all__ = ["choice_fractions", "load_balancing_loss", "router_z_loss", "update_balance_bias"]
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
@@ -22,12 +22,16 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_TK: torch.Tensor) -> torc
     T, E = probs_TE.shape
     if T == 0:
         return probs_TE.sum() * 0.0
-    counts_E = torch.zeros(E, device=probs_TE.device, dtype=probs_TE.dtype)
+    return E * torch.sum(choice_fractions(probs_TE, expert_TK) * probs_TE.mean(0))
+
+
+def choice_fractions(probs_TE: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
+    """f_E: the fraction of the T k routing choices that picked each expert (no gradient)."""
+    counts_E = torch.zeros(probs_TE.shape[1], device=probs_TE.device, dtype=probs_TE.dtype)
     counts_E.index_add_(
         0, expert_TK.reshape(-1), torch.ones_like(expert_TK, dtype=probs_TE.dtype).reshape(-1)
     )
-    f_E = counts_E / expert_TK.numel()
-    return E * torch.sum(f_E * probs_TE.mean(0))
+    return counts_E / expert_TK.numel()
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Task scheduling: tasks and schedules as data, one issue rule, policies, the executor, the
 simulator and the `search` policy (registered here, with the built-in policies)."""
 
-from . import search
+from . import search, stack
 from .executor import execute
 from .policies import POLICIES, Policy, fifo_links, make_schedule, register_policy
 from .simulator import TaskCosts, run
+from .stack import STACK_POLICIES, StackGraph, make_stack_schedule, stack_task_costs
 from .tasks import (
     COMPUTE,
     Direction,
@@ -20,20 +21,25 @@ from .tasks import (
 __all__ = [
     "COMPUTE",
     "POLICIES",
+    "STACK_POLICIES",
     "Direction",
     "Kind",
     "Partition",
     "Phase",
     "Policy",
     "Schedule",
+    "StackGraph",
     "Task",
     "TaskCosts",
     "TaskGraph",
     "execute",
     "fifo_links",
     "make_schedule",
+    "make_stack_schedule",
     "register_policy",
     "run",
     "search",
+    "stack",
+    "stack_task_costs",
     "walk",
 ]

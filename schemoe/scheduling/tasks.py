@@ -18,6 +18,13 @@ A Schedule gives, for each resource ("compute" and every link), the order of its
 `Schedule.parse(str(s)) == s`. The executor, the deadlock check and the simulator consume the
 same Schedule under one issue rule (`walk`).
 
+Stack tasks (scheduling/stack.py: blocks of a model, a batch cut into micro-chunks) carry a block
+and a micro-chunk index, printed as a prefix when either is not 0: "b1.m2.C1.0" is C1.0 of block
+1's MoE region for micro-chunk 2. Two compute kinds frame a block's region: "AT" (pre-MoE compute:
+norm, attention, residual, router, encode) and "PO" (post-MoE: decode and residual), e.g.
+"b0.m1.AT"; "AR.k" is gradient all-reduce bucket k, a transfer on a link like A. A task of block
+0 and micro-chunk 0 prints as it always has ("C1.0", "E.2").
+
 Task kinds, phases, directions and partitions are str/int-valued enums: `Kind.C == "C"`,
 `Phase.DISPATCH == 1`, `Direction.FORWARD == "forward"`, so the text form and plain literals
 still compare equal.
@@ -26,6 +33,7 @@ still compare equal.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -47,12 +55,16 @@ COMPUTE = "compute"
 
 
 class Kind(str, enum.Enum):
-    """What a task does: C compress, A all-to-all (the only transfer), D decompress, E expert."""
+    """What a task does: C compress, A all-to-all, D decompress, E expert; at stack level AT
+    pre-MoE compute of a block (attention ...), PO post-MoE compute, AR a gradient all-reduce."""
 
     C = "C"
     A = "A"
     D = "D"
     E = "E"
+    AT = "AT"
+    PO = "PO"
+    AR = "AR"
 
     def __str__(self) -> str:
         return self.value
@@ -81,50 +93,81 @@ def _enum(cls, value, what: str):
         raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
+_TRANSFERS = (Kind.A, Kind.AR)  # the kinds that run on a link
+_EXCHANGE = (Kind.C, Kind.A, Kind.D)  # the kinds with a phase 1 or 2
+_WHOLE = (Kind.AT, Kind.PO)  # one per block and micro-chunk: no chunk index
+_TEXT = re.compile(r"^(?:b(\d+)\.m(\d+)\.)?(AT|PO|AR|[CADE])(\d*)(?:\.(\d+))?(?:@(.+))?$")
+
+
 @dataclass(frozen=True, order=True)
 class Task:
-    """One task. kind in C/A/D/E; phase 1 or 2 (0 for E); chunk index; link for A tasks."""
+    """One task. kind (Kind); phase 1 or 2 for C/A/D (0 otherwise); chunk index (the bucket of
+    an AR task; 0 for AT/PO); link for transfers (A, AR); block and micro-chunk (stack tasks)."""
 
     kind: Kind
     phase: Phase
     chunk: int
     link: str | None = None
+    block: int = 0
+    micro: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _enum(Kind, self.kind, "task kind"))
         object.__setattr__(self, "phase", _enum(Phase, self.phase, "task phase"))
-        if (self.kind == Kind.E) != (self.phase == Phase.EXPERT):
+        if (self.kind in _EXCHANGE) == (self.phase == Phase.EXPERT):
             raise ValueError(f"bad phase {int(self.phase)} for task kind {self.kind}")
-        if (self.link is not None) != (self.kind == "A"):
-            raise ValueError(f"only A tasks have a link, got {self.kind} with link {self.link!r}")
+        if (self.link is not None) != (self.kind in _TRANSFERS):
+            raise ValueError(
+                f"only transfers (A, AR) have a link, got {self.kind} with link {self.link!r}"
+            )
+        for name in ("chunk", "block", "micro"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"task {name} must be an int >= 0, got {v!r}")
+        if self.kind in _WHOLE and self.chunk:
+            raise ValueError(f"{self.kind} tasks have no chunk, got chunk {self.chunk}")
 
     @property
     def is_comm(self) -> bool:
-        return self.kind == "A"
+        return self.kind in _TRANSFERS
 
     @property
     def resource(self) -> str:
-        return self.link if self.kind == "A" else COMPUTE
+        return self.link if self.kind in _TRANSFERS else COMPUTE
 
     def __str__(self) -> str:
-        name = "E" if self.kind == Kind.E else f"{self.kind}{int(self.phase)}"
+        if self.kind in _WHOLE:
+            name = str(self.kind)
+        elif self.kind in _EXCHANGE:
+            name = f"{self.kind}{int(self.phase)}.{self.chunk}"
+        else:
+            name = f"{self.kind}.{self.chunk}"
         at = f"@{self.link}" if self.link is not None and self.link != "net" else ""
-        return f"{name}.{self.chunk}{at}"
+        where = f"b{self.block}.m{self.micro}." if (self.block, self.micro) != (0, 0) else ""
+        return f"{where}{name}{at}"
 
     @classmethod
     def parse(cls, text: str, default_link: str = "net") -> Task:
+        m = _TEXT.match(text)
         try:
-            head, rest = text.split(".", 1)
-            chunk_s, _, link = rest.partition("@")
-            kind, phase = head[0], (int(head[1:]) if len(head) > 1 else 0)
-            if kind == "A":
-                return cls(kind, phase, int(chunk_s), link or default_link)
-            if link:
+            if m is None:
                 raise ValueError(text)
-            return cls(kind, phase, int(chunk_s))
-        except (ValueError, IndexError):
+            block, micro, kind, phase, chunk, link = m.groups()
+            kind = Kind(kind)
+            if (chunk is None) != (kind in _WHOLE) or (link and kind not in _TRANSFERS):
+                raise ValueError(text)
+            return cls(
+                kind,
+                int(phase or 0),
+                int(chunk or 0),
+                (link or default_link) if kind in _TRANSFERS else None,
+                int(block or 0),
+                int(micro or 0),
+            )
+        except ValueError:
             raise ValueError(
-                f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter'"
+                f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter', "
+                "'b1.m0.AT', 'AR.3'"
             ) from None
 
 

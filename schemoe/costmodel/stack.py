@@ -1,0 +1,152 @@
+"""The blocks of `schemoe train`'s GPT as a stack over m micro-chunks, priced: what the stack
+runtime (schemoe/stack.py) runs, simulated with the same rules as a region.
+
+    predict_stack(hw, StepShape(...), "schemoe", chunks=2, micro=4, stack_policy="wavefront")
+        -> StackPrediction(forward_s, backward_s, events)
+    choose_micro(hw, StepShape(...), "schemoe", chunks=2) -> (best m, {m: StackPrediction})
+
+Costs of one micro-chunk (B / m sequences, T / m tokens):
+  * AT (a stage's pre): the dense blocks before its MoE block and that block's attention half
+    (`step.block_forward`: attention 2 T M 3M + 2 T M M + 4 T L M FLOPs, norms and residuals as
+    memory traffic), plus half of the layer's `CostModel.outside` (router, layout; the other
+    half is decode, in PO); backward twice the compute;
+  * the region's tasks: `CostModel.task_costs` of the layer at T / m tokens (capacity per
+    micro-chunk, as the runtime), under the layer policy's own order;
+  * PO: half of `outside`, plus any dense blocks after the last MoE block.
+  * with `grad_sync=True`, one gradient bucket per stage ("AR" tasks on the last link, after
+    the stage's AT backward of every micro-chunk): its dense weights' all-reduce
+    (`step.allreduce_time` of 4 bytes per weight), first-come first-served with the all-to-alls
+    (DDP's rule; the scheduled sync's idle-time priority is not modelled here).
+The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
+them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
+Python overhead per task (taken as the executor's per-task overhead), compute slowing down when
+several micro-chunks' transfers run on gloo's threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..scheduling import (
+    POLICIES,
+    Direction,
+    StackGraph,
+    TaskGraph,
+    make_schedule,
+    make_stack_schedule,
+    simulator,
+    stack_task_costs,
+)
+from .hardware import Hardware
+from .model import CostModel
+from .step import StepShape, allreduce_time, block_forward
+
+__all__ = ["StackPrediction", "choose_micro", "predict_stack"]
+
+
+@dataclass(frozen=True)
+class StackPrediction:
+    forward_s: float
+    backward_s: float
+    events: list
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def _stage_blocks(shape: StepShape) -> tuple[list[list[int]], list[int]]:
+    """Per stage, the dense blocks before its MoE block; and the dense blocks after the last."""
+    stages, dense = [], []
+    for i in range(shape.layers):
+        if shape.is_moe(i):
+            stages.append(dense)
+            dense = []
+        else:
+            dense.append(i)
+    return stages, dense
+
+
+def predict_stack(
+    hw: Hardware,
+    shape: StepShape,
+    policy: str = "schemoe",
+    algorithm: str = "naive",
+    chunks: int = 1,
+    *,
+    micro: int = 1,
+    stack_policy: str = "wavefront",
+    grad_sync: bool = False,
+) -> StackPrediction:
+    """The blocks' forward and backward of `shape` at `micro` micro-chunks (module docstring)."""
+    if micro < 1 or shape.batch % micro:
+        raise ValueError(f"micro must be >= 1 and divide batch {shape.batch}, got {micro}")
+    before, after = _stage_blocks(shape)
+    if not before:
+        raise ValueError(f"the model has no MoE block (layers={shape.layers}, "
+                         f"moe_every={shape.moe_every})")  # fmt: skip
+    part = replace(shape, batch=shape.batch // micro)
+    cm = CostModel(hw, part.layer(), algorithm, compute_scale=hw.compute_factor)
+    partition = POLICIES.get(policy).partition
+    dense = block_forward(hw, part, False)
+    at = [dense * len(b) + block_forward(hw, part, True) + cm.outside() / 2 for b in before]
+    po = [cm.outside() / 2] * len(before)
+    po[-1] += dense * len(after)
+    moe_blocks = [i for i in range(shape.layers) if shape.is_moe(i)]
+    grads = [  # bytes of each stage's dense weights (its blocks'), fp32
+        4.0 * sum(shape.block_dense_params(i) for i in (*b, moe))
+        for b, moe in zip(before, moe_blocks)
+    ]
+    grads[-1] += 4.0 * sum(shape.block_dense_params(i) for i in after)
+    out, events, t0 = {}, [], 0.0
+    for direction in Direction:
+        twice = 1.0 if direction == Direction.FORWARD else 2.0
+        region = TaskGraph(chunks, cm.links, direction, partition)
+        order = list(make_schedule(policy, region, cm).order["compute"])
+        buckets = ()
+        if grad_sync and direction == Direction.BACKWARD:
+            buckets = tuple(reversed(range(len(before))))  # the last stage's bucket first
+        graph = StackGraph((chunks,) * len(before), micro, cm.links, direction, buckets)
+        tc = cm.task_costs(region)
+        ar = [allreduce_time(hw, grads[b]) for b in buckets]
+        costs = stack_task_costs(
+            graph, [tc.durations] * len(before), at=[twice * a for a in at], po=po, ar=ar
+        )
+        costs = simulator.TaskCosts(costs, tc.overhead)
+        sched = make_stack_schedule(stack_policy, graph, [order] * len(before), costs)
+        span, ev = simulator.run(sched, graph, costs, origin=t0)
+        out[direction], t0 = span, t0 + span
+        events += ev
+    return StackPrediction(out[Direction.FORWARD], out[Direction.BACKWARD], events)
+
+
+def choose_micro(
+    hw: Hardware,
+    shape: StepShape,
+    policy: str = "schemoe",
+    algorithm: str = "naive",
+    chunks: int = 1,
+    *,
+    candidates: tuple[int, ...] = (1, 2, 4, 8),
+    stack_policy: str = "wavefront",
+    grad_sync: bool = False,
+) -> tuple[int, dict[int, StackPrediction]]:
+    """The micro-chunk count among `candidates` (those dividing the batch) with the smallest
+    predicted blocks' step, and every candidate's prediction."""
+    preds = {
+        m: predict_stack(
+            hw,
+            shape,
+            policy,
+            algorithm,
+            chunks,
+            micro=m,
+            stack_policy=stack_policy,
+            grad_sync=grad_sync,
+        )
+        for m in candidates
+        if m >= 1 and shape.batch % m == 0
+    }
+    if not preds:
+        raise ValueError(f"no candidate in {candidates} divides batch {shape.batch}")
+    return min(preds, key=lambda m: (preds[m].step_s, m)), preds

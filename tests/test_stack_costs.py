@@ -1,0 +1,62 @@
+"""The simulator prices stack schedules: AT tasks cost the blocks' attention (FLOP-based, from
+the hardware preset), the regions their layer's task costs at T / m tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from schemoe.costmodel.hardware import Link, preset
+from schemoe.costmodel.model import CostModel
+from schemoe.costmodel.stack import choose_micro, predict_stack
+from schemoe.costmodel.step import StepShape, block_forward
+from schemoe.scheduling import Direction, TaskGraph, make_schedule, simulator
+
+SHAPE = StepShape(batch=8, seq_len=64, model_dim=128, hidden=256, layers=4)
+
+
+def test_one_micro_chunk_in_sequence_costs_each_blocks_attention_then_its_region():
+    hw = preset("local")
+    got = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=1, stack_policy="sequential")
+    cm = CostModel(hw, SHAPE.layer(), "naive", compute_scale=hw.compute_factor)
+    region = TaskGraph(2, cm.links, Direction.FORWARD)
+    span = simulator.run(make_schedule("schemoe", region, cm), region, cm, record=False)[0]
+    # Two stages: (dense block, MoE block's attention) then the same; no overlap at m = 1.
+    at = block_forward(hw, SHAPE, False) + block_forward(hw, SHAPE, True) + cm.outside() / 2
+    assert got.forward_s == pytest.approx(2 * (at + span + cm.outside() / 2))
+    assert {e.task for e in got.events} >= {"AT", "b1.m0.AT", "b1.m0.PO"}
+
+
+def test_wavefront_hides_a_slow_links_all_to_alls_behind_other_micro_chunks_attention():
+    hw = preset("local")
+    slow = Link(alpha=1e-5, beta=2e7)  # bandwidth-bound: cutting the batch costs no latency
+    hw = replace(hw, intra=slow, inter=slow)
+    one = predict_stack(hw, SHAPE, "schemoe", "naive", 1, micro=1)
+    seq = predict_stack(hw, SHAPE, "schemoe", "naive", 1, micro=4, stack_policy="sequential")
+    wave = predict_stack(hw, SHAPE, "schemoe", "naive", 1, micro=4)
+    assert wave.step_s < 0.9 * one.step_s
+    assert wave.step_s < 0.9 * seq.step_s
+
+
+def test_a_micro_chunk_count_that_does_not_divide_the_batch_is_refused():
+    with pytest.raises(ValueError, match="micro must be >= 1 and divide batch 8, got 3"):
+        predict_stack(preset("local"), SHAPE, micro=3)
+
+
+def test_gradient_buckets_join_the_backward_stack_on_the_link():
+    hw = preset("local")
+    plain = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2)
+    synced = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2, grad_sync=True)
+    assert {"AR.0", "AR.1"} <= {e.task for e in synced.events if e.resource == "net"}
+    assert synced.forward_s == plain.forward_s and synced.backward_s > plain.backward_s
+
+
+def test_choose_micro_picks_the_fastest_predicted_micro_chunk_count():
+    slow = Link(alpha=1e-5, beta=2e7)
+    bandwidth_bound = replace(preset("local"), intra=slow, inter=slow)
+    m, preds = choose_micro(bandwidth_bound, SHAPE, "schemoe", "naive", 1)
+    assert set(preds) == {1, 2, 4, 8} and m > 1
+    assert preds[m].step_s == min(p.step_s for p in preds.values())
+    # latency-bound (the local preset's 1.6 ms per all-to-all): cutting the batch does not pay
+    assert choose_micro(preset("local"), SHAPE, "schemoe", "naive", 2)[0] == 1
