@@ -149,7 +149,7 @@ def test_bench_step_refuses_a_peer_that_is_not_installed_or_known(capfd):
 
 
 def test_bench_step_runs_a_row_per_micro_chunk_count(capfd):
-    args = _parse(["bench", "step", "--nproc", "2", "--dim", "32", "--hidden", "64",
+    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
                    "--layers", "2", "--seq-len", "16", "--batch", "4", "--heads", "2",
                    "--micro-chunks", "1,2", "--grad-syncs", "scheduled",
                    "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
