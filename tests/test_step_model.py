@@ -11,6 +11,7 @@ from schemoe import cli
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.costmodel.step import StepShape, _buckets, allreduce_time, predict_step
+from schemoe.profiler.steps import is_step_row
 
 SHAPE = StepShape(batch=4, seq_len=32, model_dim=64, hidden=128, layers=4, experts=4)
 
@@ -123,3 +124,10 @@ def test_simulate_step_prices_every_candidate_and_chooses_the_fastest(capsys):
 def test_simulate_without_tokens_or_step_says_what_it_needs(capsys):
     assert cli.main(["simulate", "--model-dim", "64", "--hidden-dim", "128"]) == 2
     assert "simulate needs --tokens" in capsys.readouterr().err
+
+
+def test_validate_prices_one_micro_chunk_step_rows_only():
+    row = {"policy": "schemoe", "grad_sync": "ddp", "grad_compress": "none", "chunks": 1}
+    assert is_step_row(row) and is_step_row({**row, "micro_chunks": 1})
+    assert not is_step_row({**row, "micro_chunks": 2})  # the step model is m = 1
+    assert not is_step_row({**row, "policy": "deepspeed"})

@@ -10,8 +10,14 @@ __all__ = ["is_step_row", "point"]
 
 
 def is_step_row(row: dict) -> bool:
-    """A row of `schemoe bench step` (not its DeepSpeed peer, which the model does not price)."""
-    return "grad_sync" in row and row["policy"] != "deepspeed"
+    """A row of `schemoe bench step` that the step model prices: not the DeepSpeed peer, and one
+    micro-chunk (predict_step models m = 1; costmodel/stack.py prices a stack's blocks at m, not
+    yet a whole step)."""
+    return (
+        "grad_sync" in row
+        and row["policy"] != "deepspeed"
+        and int(row.get("micro_chunks", 1)) == 1
+    )
 
 
 def _dims(cfg: dict) -> tuple[int, int]:

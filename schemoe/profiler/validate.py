@@ -55,7 +55,11 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
     # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
     rows = summary["results"]
     if any("grad_sync" in row for row in rows):  # a `schemoe bench step` output
-        return config, [row for row in rows if steps.is_step_row(row)]
+        priced = [row for row in rows if steps.is_step_row(row)]
+        stack = sum(int(row.get("micro_chunks", 1)) > 1 for row in rows)
+        if stack:
+            print(f"# {path}: {stack} rows with micro_chunks > 1 not priced (the step model is m = 1)")
+        return config, priced
     return config, [
         row
         for row in rows
