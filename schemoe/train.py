@@ -368,7 +368,10 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
         "device": dev.type,
         "dtype": a.dtype,
         "grad_accum": a.grad_accum,
-        **{k: getattr(a, k) for k in ("policy", "chunks", "micro_chunks", "algorithm", "compressor")},
+        **{
+            k: getattr(a, k)
+            for k in ("policy", "chunks", "micro_chunks", "algorithm", "compressor")
+        },
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,

@@ -197,7 +197,9 @@ def test_presets_describe_the_paper_cluster_and_an_h100_pod_and_round_trip_json(
 
 def test_simulate_command_ends_with_the_json_contract(capsys, tmp_path):
     png = tmp_path / "g.png"
-    argv = "simulate --preset paper-32gpu --layers 2 --tokens 2048 --model-dim 1024 --hidden-dim 1024"
+    argv = (
+        "simulate --preset paper-32gpu --layers 2 --tokens 2048 --model-dim 1024 --hidden-dim 1024"
+    )
     rc = cli.main([*argv.split(), "--max-chunks", "4", "--png", str(png)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

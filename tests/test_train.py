@@ -178,9 +178,7 @@ def test_every_moe_config_field_is_reachable_from_the_command_line():
         parallel=ParallelConfig(ranks_per_node=2),
         schedule=ScheduleConfig(policy="tutel", chunks=4),
         collective=CollectiveConfig(algorithm="hier2d"),
-        compression=CompressionConfig(
-            forward="zfp", backward="int8", options={"zfp": {"rate": 4}}
-        ),
+        compression=CompressionConfig(forward="zfp", backward="int8", options={"zfp": {"rate": 4}}),
     )
 
 

@@ -215,9 +215,7 @@ class LayerShape:
 
     def __post_init__(self) -> None:
         # The layer's own configs check experts, k, f and the dims, naming the bad value.
-        GateConfig(
-            num_experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor
-        )
+        GateConfig(num_experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor)
         ExpertConfig(
             model_dim=self.model_dim, hidden_dim=self.hidden_dim, activation=self.activation
         )

@@ -303,7 +303,9 @@ def register(subparsers) -> None:
     s.add_argument("--ranks-per-node", type=int, default=None, help="override the preset's")
     s.add_argument("--layers", type=int, default=1,
                    help="MoE layers per step (--step: the GPT's blocks, as in schemoe train)")  # fmt: skip
-    s.add_argument("--tokens", type=int, default=None, help="tokens per rank (B x L); not with --step")
+    s.add_argument(
+        "--tokens", type=int, default=None, help="tokens per rank (B x L); not with --step"
+    )
     s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
     s.add_argument("--model-dim", type=int, required=True, help="model dim M")
     s.add_argument("--hidden-dim", dest="hidden", type=int, required=True, help="expert hidden dim")

@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, hw: Hardware) -> int:
     if args.seq_len < 1 or args.batch < 1:
-        raise ValueError(f"--step needs --seq-len and --batch >= 1, got {args.seq_len}, {args.batch}")
+        raise ValueError(
+            f"--step needs --seq-len and --batch >= 1, got {args.seq_len}, {args.batch}"
+        )
     shape = StepShape(
         batch=args.batch,
         seq_len=args.seq_len,
@@ -71,7 +73,9 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
         f"L={shape.seq_len} M={shape.model_dim} H={shape.hidden} E={shape.experts} "
         f"k={shape.top_k} f={shape.capacity_factor}, all-to-all {args.algorithm}"
     )
-    print(f"{'policy':>10} {'r':>2} {'grad_sync':>9} {'grad_compress':>13} {'step ms':>10} {'network ms':>10}")
+    print(
+        f"{'policy':>10} {'r':>2} {'grad_sync':>9} {'grad_compress':>13} {'step ms':>10} {'network ms':>10}"
+    )
     for row in rows:
         print(
             f"{row['policy']:>10} {row['chunks']:>2} {row['grad_sync']:>9} "

@@ -14,9 +14,7 @@ def is_step_row(row: dict) -> bool:
     micro-chunk (predict_step models m = 1; costmodel/stack.py prices a stack's blocks at m, not
     yet a whole step)."""
     return (
-        "grad_sync" in row
-        and row["policy"] != "deepspeed"
-        and int(row.get("micro_chunks", 1)) == 1
+        "grad_sync" in row and row["policy"] != "deepspeed" and int(row.get("micro_chunks", 1)) == 1
     )
 
 

@@ -58,7 +58,9 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
         priced = [row for row in rows if steps.is_step_row(row)]
         stack = sum(int(row.get("micro_chunks", 1)) > 1 for row in rows)
         if stack:
-            print(f"# {path}: {stack} rows with micro_chunks > 1 not priced (the step model is m = 1)")
+            print(
+                f"# {path}: {stack} rows with micro_chunks > 1 not priced (the step model is m = 1)"
+            )
         return config, priced
     return config, [
         row
