@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -166,3 +168,18 @@ def test_bench_step_refuses_micro_chunks_that_do_not_divide_the_batch(capfd):
     args = _parse(["bench", "step", "--batch", "4", "--micro-chunks", "1,3"])
     assert args.func(args) == 2
     assert "--micro-chunks must be >= 1 and divide --batch 4, got [1, 3]" in capfd.readouterr().err
+
+
+def test_bench_with_the_deepspeed_peer_prints_only_its_report_on_stdout():
+    pytest.importorskip("deepspeed")
+    argv = ["bench", "layer", "--nproc", "2", "--tokens", "64", "--model-dim", "32",
+            "--hidden-dim", "64", "--peer", "deepspeed", "--warmup", "1", "--repeats", "1",
+            "--timeout", "90"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "schemoe", *argv], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith("# schemoe bench layer"), lines[:3]  # nothing before the header
+    assert not any("DeepSpeed" in ln or "process group" in ln for ln in lines[:-1]), lines
+    assert json.loads(lines[-1])["results"][-1]["policy"] == "deepspeed"

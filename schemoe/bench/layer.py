@@ -165,23 +165,26 @@ def _deepspeed(args, world: int, dtype: torch.dtype) -> torch.nn.Module:
     deepspeed = import_deepspeed()
     from deepspeed.moe.layer import MoE
 
-    deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised default group
     M, H = args.model_dim, args.hidden_dim
     expert = torch.nn.Sequential(
         torch.nn.Linear(M, H, bias=False), torch.nn.GELU(), torch.nn.Linear(H, M, bias=False)
     )
-    moe = MoE(
-        hidden_size=M,
-        expert=expert,
-        num_experts=args.experts or 2 * world,
-        ep_size=world,
-        k=args.top_k,
-        capacity_factor=args.capacity_factor,
-        min_capacity=0,
-        use_rts=False,
-        top2_2nd_expert_sampling=False,
-    )
-    moe.set_deepspeed_parallelism()  # creates its expert-parallel groups (collective)
+    # Its backend and group set-up print() to stdout ("... built successfully", "No existing
+    # process group found ..."): stderr, as its log.
+    with contextlib.redirect_stdout(sys.stderr):
+        deepspeed.init_distributed(dist_backend="gloo")  # reuses the initialised default group
+        moe = MoE(
+            hidden_size=M,
+            expert=expert,
+            num_experts=args.experts or 2 * world,
+            ep_size=world,
+            k=args.top_k,
+            capacity_factor=args.capacity_factor,
+            min_capacity=0,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
+        moe.set_deepspeed_parallelism()  # creates its expert-parallel groups (collective)
     return moe.to(dtype)
 
 
