@@ -176,7 +176,11 @@ def test_bench_with_the_deepspeed_peer_prints_only_its_report_on_stdout():
             "--hidden-dim", "64", "--peer", "deepspeed", "--warmup", "1", "--repeats", "1",
             "--timeout", "90"]  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "schemoe", *argv], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "schemoe", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
