@@ -11,7 +11,7 @@ from schemoe import cli
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.costmodel.step import StepShape, _buckets, allreduce_time, predict_step
-from schemoe.profiler.steps import is_step_row
+from schemoe.profiler.steps import is_step_row, point
 
 SHAPE = StepShape(batch=4, seq_len=32, model_dim=64, hidden=128, layers=4, experts=4)
 
@@ -126,8 +126,27 @@ def test_simulate_without_tokens_or_step_says_what_it_needs(capsys):
     assert "simulate needs --tokens" in capsys.readouterr().err
 
 
-def test_validate_prices_one_micro_chunk_step_rows_only():
+def test_validate_prices_micro_chunk_rows_by_the_stack_model():
     row = {"policy": "schemoe", "grad_sync": "ddp", "grad_compress": "none", "chunks": 1}
-    assert is_step_row(row) and is_step_row({**row, "micro_chunks": 1})
-    assert not is_step_row({**row, "micro_chunks": 2})  # the step model is m = 1
+    assert is_step_row(row) and is_step_row({**row, "micro_chunks": 4})
     assert not is_step_row({**row, "policy": "deepspeed"})
+    cfg = {"batch": "8", "seq_len": "64", "model_dim": "128", "hidden_dim": "256", "layers": "4",
+           "experts": "8", "top_k": "2", "f": "1.25", "algorithm": "naive", "bucket_mb": "0.25"}  # fmt: skip
+    hw = _hw()
+    one = point(cfg, {**row, "median_ms": 100.0}, hw)
+    four = point(cfg, {**row, "micro_chunks": 4, "median_ms": 100.0}, hw)
+    assert one["predicted_ms"] > 0 and four["predicted_ms"] > 0
+    assert four["predicted_ms"] != one["predicted_ms"]  # priced at m = 4, not as m = 1
+
+
+def test_simulate_step_prices_micro_chunks_with_the_stack_model(capsys):
+    argv = ["simulate", "--step", "--preset", "local", "--nodes", "2", "--ranks-per-node", "2",
+            "--seq-len", "32", "--batch", "4", "--layers", "4", "--model-dim", "64",
+            "--hidden-dim", "128", "--max-chunks", "2", "--micro-chunks", "1,2"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    by_m = {m: [r for r in rows if r["micro_chunks"] == m] for m in (1, 2)}
+    assert len(by_m[1]) == len(by_m[2]) > 0 and len(rows) == 2 * len(by_m[1])
+    assert [r["predicted_ms"] for r in rows] == sorted(r["predicted_ms"] for r in rows)
+    assert cli.main([*argv[:-1], "3"]) == 2  # 3 does not divide the batch
+    assert "--micro-chunks 3 must divide --batch 4" in capsys.readouterr().err

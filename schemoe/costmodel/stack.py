@@ -39,9 +39,19 @@ from ..scheduling import (
 )
 from .hardware import Hardware
 from .model import CostModel
-from .step import StepShape, allreduce_time, block_forward
+from .step import (
+    StepPrediction,
+    StepShape,
+    _buckets,
+    allreduce_time,
+    block_forward,
+    gradient_bytes,
+    head_time,
+    optimizer_time,
+    wire_ratio,
+)
 
-__all__ = ["StackPrediction", "choose_micro", "predict_stack"]
+__all__ = ["StackPrediction", "choose_micro", "predict_stack", "predict_stack_step"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +160,36 @@ def choose_micro(
     if not preds:
         raise ValueError(f"no candidate in {candidates} divides batch {shape.batch}")
     return min(preds, key=lambda m: (preds[m].step_s, m)), preds
+
+
+def predict_stack_step(
+    hw: Hardware,
+    shape: StepShape,
+    policy: str = "schemoe",
+    algorithm: str = "naive",
+    chunks: int = 1,
+    *,
+    micro: int,
+    stack_policy: str = "wavefront",
+    grad_compress: str = "none",
+    grad_algorithm: str = "flat",
+    bucket_bytes: float = 1 << 20,
+) -> StepPrediction:
+    """A whole training step with the blocks run as a stack of `micro` micro-chunks: the head
+    and optimizer as `step.predict_step` prices them, the blocks by `predict_stack`, and every
+    dense-gradient bucket after the stack's backward (the stack is one autograd Function: DDP
+    sees all its gradients when it returns, under either gradient sync), back to back."""
+    st = predict_stack(hw, shape, policy, algorithm, chunks, micro=micro, stack_policy=stack_policy)
+    ratio = wire_ratio(grad_compress)
+    buckets = [
+        allreduce_time(hw, nbytes * ratio, grad_algorithm)
+        for _, nbytes in _buckets([gradient_bytes(shape)], bucket_bytes)
+    ]
+    head = head_time(hw, shape)
+    link = sum(e.end - e.start for e in st.events if e.resource != "compute")
+    return StepPrediction(
+        forward_s=head + hw.step_overhead + st.forward_s,
+        backward_s=2 * head + st.backward_s + sum(buckets),
+        optimizer_s=optimizer_time(hw, shape),
+        network_s=link + sum(buckets),
+    )

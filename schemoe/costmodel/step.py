@@ -159,6 +159,35 @@ def _buckets(sizes: list[float], cap: float) -> list[tuple[int, float]]:
     return out
 
 
+_WIRE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
+
+
+def wire_ratio(grad_compress: str) -> float:
+    """Bytes on the wire per fp32 gradient byte for a gradient compressor."""
+    if grad_compress not in _WIRE_BYTES:
+        raise ValueError(
+            f"grad_compress must be one of {sorted(_WIRE_BYTES)}, got {grad_compress!r}"
+        )
+    return _WIRE_BYTES[grad_compress] / 4
+
+
+def head_time(hw: Hardware, shape: StepShape) -> float:
+    """The output head's forward: the logits GEMM and softmax / cross-entropy traffic."""
+    T, M, V = shape.tokens, shape.model_dim, shape.vocab
+    return _gemm(hw, 2 * T * M * V, 1) + copy_time(hw, 3 * T * V * 4) * hw.compute_factor
+
+
+def optimizer_time(hw: Hardware, shape: StepShape) -> float:
+    """AdamW over this rank's parameters (dense, and its share of the experts)."""
+    params = shape.dense_params() + shape.expert_params() // hw.world
+    return params * 28 / hw.stream_rate * hw.compute_factor
+
+
+def gradient_bytes(shape: StepShape) -> float:
+    """fp32 bytes of the dense gradients DDP all-reduces each step."""
+    return 4.0 * shape.dense_params()
+
+
 def predict_step(
     hw: Hardware,
     shape: StepShape,
@@ -174,9 +203,7 @@ def predict_step(
     """One training step of `shape` on `hw` (module docstring)."""
     if grad_sync not in ("ddp", "scheduled"):
         raise ValueError(f"grad_sync must be 'ddp' or 'scheduled', got {grad_sync!r}")
-    wire = {"none": 4, "bf16": 2, "fp16": 2}
-    if grad_compress not in wire:
-        raise ValueError(f"grad_compress must be one of {sorted(wire)}, got {grad_compress!r}")
+    ratio = wire_ratio(grad_compress)
     if POLICIES.get(policy).partition == Partition.PEERS and chunks > hw.world:
         raise ValueError(f"policy {policy!r} needs chunks <= {hw.world}, got {chunks}")
     events: list = []
@@ -190,15 +217,14 @@ def predict_step(
     t0 = link_of_backward[0][0] if link_of_backward else 0.0
     a2a = [(a - t0, b - t0) for a, b in link_of_backward]  # relative to the region's start
     # Forward: blocks, the head; the MoE blocks' regions.
-    T, M, V = shape.tokens, shape.model_dim, shape.vocab
-    head = _gemm(hw, 2 * T * M * V, 1) + copy_time(hw, 3 * T * V * 4) * hw.compute_factor
+    M, V = shape.model_dim, shape.vocab
+    head = head_time(hw, shape)
     forward = head + hw.step_overhead
     for i in range(shape.layers):
         forward += block_forward(hw, shape, shape.is_moe(i))
         if shape.is_moe(i):
             forward += layer.forward_s + layer.outside_s / 2
     # Backward, last block first; segments: (compute seconds, link intervals, gradient bytes).
-    ratio = wire[grad_compress] / 4
     segments = [(2 * head, [], 4.0 * (V * M + 2 * M))]
     for i in reversed(range(shape.layers)):
         dense = 2 * block_forward(hw, shape, shape.is_moe(i))
@@ -239,8 +265,7 @@ def predict_step(
         pending.extend((now, d) for d in by_seg.get(k, []))
     post(None)
     backward = max(now, link)
-    params = shape.dense_params() + shape.expert_params() // hw.world
-    optimizer = params * 28 / hw.stream_rate * hw.compute_factor
+    optimizer = optimizer_time(hw, shape)
     a2a_s = sum(b - a for a, b in a2a) * 2 * sum(shape.is_moe(i) for i in range(shape.layers))
     buckets = sum(d for ds in by_seg.values() for d in ds)
     return StepPrediction(forward, backward, optimizer, a2a_s + buckets)

@@ -6,7 +6,7 @@ and the configuration auto would choose for the step.
         --layers 4 --model-dim 256 --hidden-dim 512 [--grad-compressors none,bf16]
 
 Ends with one JSON line: {"preset", "results": [{"policy", "chunks", "grad_sync",
-"grad_compress", "predicted_ms", "network_ms"}, ...] (fastest first), "chosen": {...}}.
+"grad_compress", "micro_chunks", "predicted_ms", "network_ms"}, ...] (fastest first), "chosen": {...}}.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import json
 
 from ..costmodel.hardware import Hardware
+from ..costmodel.stack import predict_stack_step
 from ..costmodel.step import StepShape, explore_step
 
 __all__ = ["add_arguments", "run"]
@@ -37,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="--step: the scheduled sync's algorithm")  # fmt: skip
     g("--bucket-mb", type=float, default=1.0, help="--step: DDP bucket MiB")
     g("--algorithm", default="naive", help="--step: the all-to-all algorithm")
+    g("--micro-chunks", type=lambda t: [int(v) for v in _csv(t)], default=[1],
+      help="--step: comma list of m (m > 1: the blocks as a wavefront stack)")  # fmt: skip
 
 
 def run(args: argparse.Namespace, hw: Hardware) -> int:
@@ -63,6 +66,20 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
         grad_compressors=args.grad_compressors, algorithm=args.algorithm,
         grad_algorithm=args.grad_algorithm, bucket_bytes=args.bucket_mb * 2**20,
     )  # fmt: skip
+    preds = [({**row, "micro_chunks": 1}, p) for row, p in preds]
+    for m in args.micro_chunks:  # the blocks as a wavefront stack (costmodel/stack.py)
+        if m == 1:
+            continue
+        if shape.batch % m:
+            raise ValueError(f"--micro-chunks {m} must divide --batch {shape.batch}")
+        for row, _ in [rp for rp in preds if rp[0]["micro_chunks"] == 1]:
+            pred = predict_stack_step(
+                hw, shape, row["policy"], args.algorithm, row["chunks"], micro=m,
+                grad_compress=row["grad_compress"], bucket_bytes=args.bucket_mb * 2**20,
+                grad_algorithm=args.grad_algorithm if row["grad_sync"] == "scheduled" else "flat",
+            )  # fmt: skip
+            preds.append(({**row, "micro_chunks": m}, pred))
+    preds.sort(key=lambda rp: rp[1].step_s)
     rows = [
         {**row, "predicted_ms": round(p.step_s * 1e3, 3), "network_ms": round(p.network_s * 1e3, 3)}
         for row, p in preds
@@ -74,11 +91,12 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
         f"k={shape.top_k} f={shape.capacity_factor}, all-to-all {args.algorithm}"
     )
     print(
-        f"{'policy':>10} {'r':>2} {'grad_sync':>9} {'grad_compress':>13} {'step ms':>10} {'network ms':>10}"
+        f"{'policy':>10} {'r':>2} {'m':>2} {'grad_sync':>9} {'grad_compress':>13} {'step ms':>10} "
+        f"{'network ms':>10}"
     )
     for row in rows:
         print(
-            f"{row['policy']:>10} {row['chunks']:>2} {row['grad_sync']:>9} "
+            f"{row['policy']:>10} {row['chunks']:>2} {row['micro_chunks']:>2} {row['grad_sync']:>9} "
             f"{row['grad_compress']:>13} {row['predicted_ms']:>10.3f} {row['network_ms']:>10.3f}"
         )
     out = {"preset": hw.name, "results": rows, "chosen": rows[0]}

@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 from ..costmodel.hardware import Hardware
+from ..costmodel.stack import predict_stack_step
 from ..costmodel.step import StepShape, predict_step
 
 __all__ = ["is_step_row", "point"]
 
 
 def is_step_row(row: dict) -> bool:
-    """A row of `schemoe bench step` that the step model prices: not the DeepSpeed peer, and one
-    micro-chunk (predict_step models m = 1; costmodel/stack.py prices a stack's blocks at m, not
-    yet a whole step)."""
-    return (
-        "grad_sync" in row and row["policy"] != "deepspeed" and int(row.get("micro_chunks", 1)) == 1
-    )
+    """A row of `schemoe bench step` (not its DeepSpeed peer, which the model does not price)."""
+    return "grad_sync" in row and row["policy"] != "deepspeed"
 
 
 def _dims(cfg: dict) -> tuple[int, int]:
@@ -41,28 +38,29 @@ def shape_of(cfg: dict) -> StepShape:
 
 
 def point(cfg: dict, row: dict, hw: Hardware) -> dict:
-    """The row's measured and predicted step, ms, and the relative error."""
-    pred = (
-        predict_step(
-            hw,
-            shape_of(cfg),
-            row["policy"],
-            cfg["algorithm"],
-            int(row["chunks"]),
-            grad_sync=row["grad_sync"],
-            grad_compress=row["grad_compress"],
-            grad_algorithm=cfg.get("grad_algorithm", "flat")
-            if row["grad_sync"] != "ddp"
-            else "flat",
-            bucket_bytes=float(cfg.get("bucket_mb", 1.0)) * 2**20,
-        ).step_s
-        * 1e3
-    )
+    """The row's measured and predicted step, ms, and the relative error (micro-chunk rows by
+    the stack model, `costmodel.stack.predict_stack_step`)."""
+    shape, policy, algorithm, r = shape_of(cfg), row["policy"], cfg["algorithm"], int(row["chunks"])
+    bucket = float(cfg.get("bucket_mb", 1.0)) * 2**20
+    grad_algorithm = cfg.get("grad_algorithm", "flat") if row["grad_sync"] != "ddp" else "flat"
+    m = int(row.get("micro_chunks", 1))
+    if m > 1:
+        pred = predict_stack_step(
+            hw, shape, policy, algorithm, r, micro=m, grad_compress=row["grad_compress"],
+            grad_algorithm=grad_algorithm, bucket_bytes=bucket,
+        )  # fmt: skip
+    else:
+        pred = predict_step(
+            hw, shape, policy, algorithm, r, grad_sync=row["grad_sync"],
+            grad_compress=row["grad_compress"], grad_algorithm=grad_algorithm, bucket_bytes=bucket,
+        )  # fmt: skip
+    pred = pred.step_s * 1e3
     return {
         "policy": row["policy"],
         "algorithm": cfg["algorithm"],
         "compressor": f"grad:{row['grad_sync']}/{row['grad_compress']}",
         "chunks": row["chunks"],
+        "micro_chunks": m,
         "tokens": int(cfg["batch"]) * int(cfg["seq_len"]),
         "model_dim": _dims(cfg)[0],
         "hidden": _dims(cfg)[1],

@@ -55,13 +55,7 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
     # An "auto:<policy>" row repeats one of the fixed candidates; validate those.
     rows = summary["results"]
     if any("grad_sync" in row for row in rows):  # a `schemoe bench step` output
-        priced = [row for row in rows if steps.is_step_row(row)]
-        stack = sum(int(row.get("micro_chunks", 1)) > 1 for row in rows)
-        if stack:
-            print(
-                f"# {path}: {stack} rows with micro_chunks > 1 not priced (the step model is m = 1)"
-            )
-        return config, priced
+        return config, [row for row in rows if steps.is_step_row(row)]
     return config, [
         row
         for row in rows
@@ -121,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if not errs:
         raise ValueError("no rows with a modelled algorithm in the given bench outputs")
     for p in points:
+        micro = f"m={p['micro_chunks']} " if p.get("micro_chunks", 1) > 1 else ""
         print(
-            f"{p['policy']:>10} {p['algorithm']:>6} {p['compressor']:>5} r={p['chunks']} "
+            f"{p['policy']:>10} {p['algorithm']:>6} {p['compressor']:>5} r={p['chunks']} {micro}"
             f"T={p['tokens']} D={p['model_dim']} H={p['hidden']}: measured "
             f"{p['measured_ms']:8.1f} ms, predicted {p['predicted_ms']:8.1f} ms "
             f"({p['error'] * 100:+.1f}%)"
