@@ -57,16 +57,16 @@ from .parallel import (
 from .topology import launcher_local_rank
 from .train_args import (
     add_arguments,
-    apply_resume,
     check_args,
     check_corpus,
     check_paths,
     moe_config_from_args,
-    nothing_to_do,
     num_experts,
     parse_args,
     validate,
 )
+from .train_report import Metrics, Progress, finite_or_none, plot
+from .train_resume import apply_resume, nothing_to_do
 
 __all__ = ["load_corpus", "lr_at", "moe_config_from_args", "parse_args", "register", "train"]
 
@@ -90,86 +90,6 @@ def _optimizer(model: nn.Module, a: argparse.Namespace) -> torch.optim.Optimizer
         lr=a.lr,
         betas=(0.9, 0.95),
     )
-
-
-class _Progress:
-    """A one-line text bar, redrawn with '\\r', only when stdout is a terminal."""
-
-    def __init__(self, total: int, on: bool) -> None:
-        self.total, self.on, self.t0, self.shown = total, on and sys.stdout.isatty(), None, 0
-
-    def print(self, text: str) -> None:
-        if self.on and self.shown:
-            sys.stdout.write("\r" + " " * self.shown + "\r")
-            self.shown = 0
-        print(text, flush=True)
-
-    def update(self, step: int, first: int, loss: float) -> None:
-        if not self.on:
-            return
-        self.t0 = self.t0 or time.perf_counter()
-        done = step - first + 1
-        eta = (time.perf_counter() - self.t0) / max(1, done - 1) * (self.total - step)
-        bar = "#" * (30 * step // self.total)
-        text = f"[{bar:<30}] {step}/{self.total}  loss {loss:.4f}  eta {eta:.0f}s"
-        sys.stdout.write("\r" + text.ljust(self.shown))
-        sys.stdout.flush()
-        self.shown = len(text)
-
-    def close(self) -> None:
-        if self.on and self.shown:
-            print(flush=True)
-
-
-class _Metrics:
-    """Rank 0's per-step metrics: a JSONL file (--log-file) and TensorBoard scalars
-    (--tensorboard). Routing statistics are rank 0's own tokens (no collective)."""
-
-    def __init__(self, a: argparse.Namespace, moe: list[MoELayer]) -> None:
-        self.moe = moe if (a.log_file or a.tensorboard) else []
-        for m in self.moe:
-            m.record_routing = True
-        self.file = open(a.log_file, "w", encoding="utf-8") if a.log_file else None  # noqa: SIM115
-        self.tb = None
-        if a.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # optional: checked up front
-
-            self.tb = SummaryWriter(a.tensorboard)
-
-    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict):
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-               "step_ms": parts, "moe": [m.take_routing_stats() for m in self.moe]}  # fmt: skip
-        if self.file:
-            self.file.write(json.dumps(_finite_or_none(row)) + "\n")
-            self.file.flush()
-        if self.tb:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                self.tb.add_scalar(f"train/{k}", row[k], step)
-            for k, v in parts.items():
-                self.tb.add_scalar(f"step_ms/{k}", v, step)
-            for i, r in enumerate(row["moe"]):
-                if r:
-                    self.tb.add_scalar(f"moe{i}/dropped", r["dropped"], step)
-                    self.tb.add_scalar(f"moe{i}/max_load", max(r["load"]), step)
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
-
-
-def _plot(losses: list[float], evals: list[list[float]], path: str) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no global backend state
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    ax.plot(range(1, len(losses) + 1), losses, label="train")
-    if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval (held out)")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)", title="schemoe train")
-    ax.legend()
-    fig.savefig(path, dpi=100)
 
 
 def train(rank: int, world: int, a: argparse.Namespace) -> dict:
@@ -218,7 +138,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     opt = _optimizer(core, a)
     g = torch.Generator().manual_seed(a.seed * 7919 + rank)
     moe = [m for m in core.modules() if isinstance(m, MoELayer)]
-    metrics = _Metrics(a, moe) if rank == 0 else None
+    metrics = Metrics(a, moe) if rank == 0 else None
     AutoTuner(core)  # resolves layers with policy "auto" / "search" on their first calls
     windows = eval_windows(eval_data, a.eval_seqs, a.seq_len, rank, world)
     losses, evals, start = [], [], 0
@@ -234,7 +154,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             g.manual_seed(a.seed * 7919 + rank + 1_000_003 * start)
     last = min(a.steps, a.stop_after) if a.stop_after else a.steps
     checker = failures.FiniteChecker(core) if a.check_finite else None
-    bar = _Progress(last, rank == 0)
+    bar = Progress(last, rank == 0)
     tok = a.batch * a.seq_len * world * a.grad_accum  # per optimizer step
     parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     times: list[float] = []
@@ -379,25 +299,14 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     }
     if rank == 0:
         if a.plot:
-            _plot(losses, evals, a.plot)
+            plot(losses, evals, a.plot)
             print(f"plot: {a.plot}", flush=True)
         if a.log_file:
             print(f"metrics: {a.log_file}", flush=True)
         if a.tensorboard:
             print(f"tensorboard: {a.tensorboard}", flush=True)
-        print(json.dumps(_finite_or_none(result), allow_nan=False), flush=True)
+        print(json.dumps(finite_or_none(result), allow_nan=False), flush=True)
     return result
-
-
-def _finite_or_none(v):
-    """`v` with every non-finite float replaced by None: the summary line stays valid JSON."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _finite_or_none(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite_or_none(x) for x in v]
-    return v
 
 
 def _main(a: argparse.Namespace) -> int:

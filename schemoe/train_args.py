@@ -36,10 +36,10 @@ from .scheduling import POLICIES
 
 __all__ = [
     "add_arguments",
-    "apply_resume",
     "check_args",
     "check_corpus",
     "check_paths",
+    "flag",
     "moe_config_from_args",
     "num_experts",
     "parse_args",
@@ -111,7 +111,8 @@ def moe_config_from_args(a: argparse.Namespace, world: int | None = None) -> MoE
     )
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """The command-line spelling of argument `name`."""
     return "--" + name.replace("_", "-")
 
 
@@ -138,7 +139,7 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
         ("corpus_bytes", 10_000),
     ):
         if (v := getattr(a, n)) is not None and v < lo:
-            raise ValueError(f"{_flag(n)} must be >= {lo}, got {v}")
+            raise ValueError(f"{flag(n)} must be >= {lo}, got {v}")
     if a.batch % a.micro_chunks:
         raise ValueError(f"--batch {a.batch} must be divisible by --micro-chunks {a.micro_chunks}")
     if a.micro_chunks > 1 and a.policy in ("auto", "search"):
@@ -155,7 +156,7 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
         if not ok:
             where = f"> {lo:g}" if strict else f">= {lo:g}"
             where += f" and <= {hi:g}" if math.isfinite(hi) else " and finite"
-            raise ValueError(f"{_flag(n)} must be {where}, got {v:g}")
+            raise ValueError(f"{flag(n)} must be {where}, got {v:g}")
     cfg = moe_config_from_args(a, world)  # the configs validate their own fields
     GPTConfig(seq_len=a.seq_len, layers=a.layers, heads=a.heads, moe_every=a.moe_every)
     if a.model_dim % a.heads:
@@ -240,60 +241,6 @@ def check_paths(a: argparse.Namespace) -> None:
         _writable_file(a.log_file, "--log-file")
     if a.tensorboard:
         _writable_dir(Path(a.tensorboard), "--tensorboard", a.tensorboard)
-
-
-# The model's shape: a resumed run takes these from the checkpoint; a different value is an error.
-SHAPE = ("model_dim", "hidden_dim", "experts", "layers", "heads", "moe_every", "seq_len",
-         "activation", "expert_bias")  # fmt: skip
-# Where this invocation writes, and where it stops: never taken from the saved run.
-NOT_RESUMED = ("resume", "save", "stop_after", "export", "plot", "log_file", "tensorboard")
-# Flags renamed since a checkpoint may have been written: saved name -> current name.
-RENAMED = {"dim": "model_dim", "hidden": "hidden_dim", "compress": "compressor",
-           "compress_backward": "compressor_backward", "compress_option": "compressor_option",
-           "grad_compress": "grad_compressor"}  # fmt: skip
-
-
-def apply_resume(a: argparse.Namespace) -> None:
-    """With --resume: every argument of the saved run (meta.json's "args") that this command line
-    did not give (`a.explicit`, recorded by the parser; without it every value counts as given)
-    is taken from it, except where this run writes and stops (NOT_RESUMED). A shape flag (SHAPE)
-    given with another value than the saved one is a ValueError. --save defaults to the
-    checkpoint's folder, so the run keeps saving where it was saved. Idempotent."""
-    if not a.resume:
-        return
-    folder = checkpoint.resolve(a.resume)
-    saved = json.loads((folder / "meta.json").read_text()).get("args", {})
-    saved = {RENAMED.get(k, k): v for k, v in saved.items()}
-    explicit = set(getattr(a, "explicit", vars(a)))
-    for k, v in saved.items():
-        if k in NOT_RESUMED or not hasattr(a, k):
-            continue
-        if k in SHAPE and k in explicit and v is not None and getattr(a, k) != v:
-            raise ValueError(
-                f"{_flag(k)} {getattr(a, k)} conflicts with the checkpoint's {v} ({folder}): a "
-                f"resumed run keeps the model's shape; drop {_flag(k)}"
-            )
-        if k not in explicit:
-            setattr(a, k, v)
-    if "save" not in explicit and not a.save:
-        root = folder.parent if (folder.parent / "latest").exists() else folder
-        a.save = str(root)
-
-
-def nothing_to_do(a: argparse.Namespace) -> str | None:
-    """With --resume: the line that says there is nothing to train when the checkpoint has
-    reached the last step (--steps, or --stop-after) already; otherwise None."""
-    if not a.resume:
-        return None
-    step = int(json.loads((checkpoint.resolve(a.resume) / "meta.json").read_text())["step"])
-    last = min(a.steps, a.stop_after) if a.stop_after else a.steps
-    if step < last:
-        return None
-    flag = "--stop-after" if a.stop_after and a.stop_after < a.steps else "--steps"
-    return (
-        f"nothing to do: the checkpoint {a.resume!r} is at step {step} and {flag} is {last}; "
-        "raise --steps to train further"
-    )
 
 
 def validate(a: argparse.Namespace, world: int | None) -> None:

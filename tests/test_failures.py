@@ -22,6 +22,7 @@ from schemoe import train as T
 from schemoe._dist import free_port, init_process_group, spawn
 from schemoe.layer import MoELayer
 from schemoe.lm import GPT, GPTConfig
+from schemoe.train_report import finite_or_none
 from train_cases import TINY
 
 TIMEOUT = 4.0  # the collective timeout (--timeout) of these runs, seconds
@@ -137,7 +138,7 @@ def test_a_diverging_run_stops_at_the_first_non_finite_loss_without_check_finite
 
 
 def test_the_summary_line_writes_non_finite_values_as_null_so_it_stays_valid_json():
-    summary = T._finite_or_none({"a": float("nan"), "b": [1.0, float("inf")], "c": [[2, 3.5]]})
+    summary = finite_or_none({"a": float("nan"), "b": [1.0, float("inf")], "c": [[2, 3.5]]})
     assert json.loads(json.dumps(summary, allow_nan=False)) == {
         "a": None,
         "b": [1.0, None],

@@ -27,6 +27,7 @@ from schemoe.config import (
 )
 from schemoe.lm import GPT, GPTConfig
 from schemoe.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
+from schemoe.train_report import Progress
 from train_cases import TINY, tiny
 
 
@@ -199,7 +200,7 @@ def test_progress_bar_draws_on_a_terminal_and_keeps_the_step_lines(monkeypatch):
 
     out = Tty()
     monkeypatch.setattr(sys, "stdout", out)
-    bar = T._Progress(10, True)
+    bar = Progress(10, True)
     bar.update(1, 1, 3.5)
     bar.print("step    1  loss 3.5")
     bar.update(2, 1, 3.4)
@@ -207,7 +208,7 @@ def test_progress_bar_draws_on_a_terminal_and_keeps_the_step_lines(monkeypatch):
     text = out.getvalue()
     assert "\r[###" in text and "2/10" in text and "step    1  loss 3.5\n" in text
     monkeypatch.setattr(sys, "stdout", io.StringIO())  # not a terminal: no bar
-    assert not T._Progress(10, True).on
+    assert not Progress(10, True).on
 
 
 def test_command_line_run_ends_with_the_json_summary_and_writes_plot_and_export(tmp_path):

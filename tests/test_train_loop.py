@@ -17,6 +17,7 @@ from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfi
 from schemoe import train as T
 from schemoe import train_args as TA
 from schemoe._dist import spawn
+from schemoe.train_resume import apply_resume
 from train_cases import tiny
 
 EXACT = ("--capacity-factor", "0", "--aux-loss-weight", "0", "--eval-seqs", "0")
@@ -71,7 +72,7 @@ def saved(tmp_path_factory):
 def test_resume_takes_the_saved_arguments_and_keeps_saving_to_its_folder(saved):
     ckpt = saved
     a = T.parse_args(["--resume", str(ckpt), "--steps", "4", "--lr", "1e-3"])
-    TA.apply_resume(a)
+    apply_resume(a)
     assert (a.model_dim, a.hidden_dim, a.experts, a.layers, a.batch) == (32, 48, 4, 2, 4)
     assert (a.steps, a.lr) == (4, 1e-3)  # given on the command line: they win
     assert a.save == str(ckpt)
