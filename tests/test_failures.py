@@ -17,11 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from schemoe import checkpoint, failures
+from schemoe import checkpoint, collectives, failures
 from schemoe import train as T
-from schemoe._dist import free_port, init_process_group, spawn
+from schemoe._dist import free_port, init_process_group, set_launcher_env, spawn
+from schemoe.collectives import ALGORITHMS
+from schemoe.gradsync import GRAD_SYNCS
 from schemoe.layer import MoELayer
 from schemoe.lm import GPT, GPTConfig
+from schemoe.topology import Topology
 from schemoe.train_report import finite_or_none
 from train_cases import TINY
 
@@ -62,28 +65,37 @@ def _rank(rank: int, port: int, mode: str, fault_at, results) -> None:
         results.put((rank, type(e).__name__, str(e), time.monotonic()))
 
 
-def _run(mode: str) -> dict:
+def _launch(target, world: int, extra: tuple, done, seconds: float, what: str) -> dict:
+    """Start `world` ranks of target(rank, port, *extra, results); collect what they put
+    (rank -> the rest of the tuple) until done(out), within `seconds`; kill them all."""
     ctx = mp.get_context("spawn")
-    results, fault_at, port = ctx.Queue(), ctx.Value("d", 0.0), free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [
-        ctx.Process(target=_rank, args=(r, port, mode, fault_at, results), daemon=True)
-        for r in range(2)
+        ctx.Process(target=target, args=(r, port, *extra, results), daemon=True)
+        for r in range(world)
     ]
     for p in procs:
         p.start()
-    out = {}
+    out: dict = {}
     try:
-        deadline = time.monotonic() + 60 + TIMEOUT
-        while 0 not in out:
-            rank, kind, msg, t = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            out[rank] = {"kind": kind, "msg": msg, "after": t - fault_at.value}
+        deadline = time.monotonic() + seconds
+        while not done(out):
+            rank, *rest = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            out[rank] = rest
     except queue.Empty:
-        pytest.fail(f"rank 0 did not report within the deadline ({mode})")
+        pytest.fail(f"ranks {sorted(set(range(world)) - set(out))} did not report ({what})")
     finally:
         for p in procs:
             p.kill()
             p.join(5)
-    return out[0]
+    return out
+
+
+def _run(mode: str) -> dict:
+    fault_at = mp.get_context("spawn").Value("d", 0.0)
+    out = _launch(_rank, 2, (mode, fault_at), lambda o: 0 in o, 60 + TIMEOUT, mode)
+    kind, msg, t = out[0]
+    return {"kind": kind, "msg": msg, "after": t - fault_at.value}
 
 
 @pytest.mark.parametrize("mode", ["raises", "exits", "stalls"])
@@ -228,9 +240,6 @@ DYING = 3  # of 4 ranks, 2 per node: the last rank of the second node
 
 def _transfer(what: str, topo):
     """A `start(x) -> Pending` for every all-to-all algorithm and gradient-sync algorithm."""
-    from schemoe import collectives
-    from schemoe.gradsync import GRAD_SYNCS
-
     if what.startswith("grad:"):
         sync = GRAD_SYNCS.get(what[5:])(topo)
         return lambda x: sync.start(x)
@@ -240,9 +249,6 @@ def _transfer(what: str, topo):
 
 
 def _die_mid_transfer(rank: int, port: int, what: str, results) -> None:
-    from schemoe._dist import set_launcher_env
-    from schemoe.topology import Topology
-
     set_launcher_env(rank, 4, port)
     torch.set_num_threads(1)
     try:
@@ -264,36 +270,14 @@ def _die_mid_transfer(rank: int, port: int, what: str, results) -> None:
 
 
 def _survivors(what: str) -> dict:
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(target=_die_mid_transfer, args=(r, port, what, results), daemon=True)
-        for r in range(4)
-    ]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    try:
-        deadline = time.monotonic() + 60 + 3 * TIMEOUT
-        while len(out) < 3:
-            rank, kind, msg, after = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            out[rank] = (kind, msg, after)
-    except queue.Empty:
-        pytest.fail(f"survivors {sorted(set(range(3)) - set(out))} did not report ({what})")
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(5)
-    return out
+    out = _launch(_die_mid_transfer, 4, (what,), lambda o: len(o) >= 3, 60 + 3 * TIMEOUT, what)
+    return {rank: tuple(rest) for rank, rest in out.items()}
 
 
 WHATS = ["naive", "pairwise", "pipe", "hier2d", "leader", "grad:flat", "grad:hier"]
 
 
 def test_every_transfer_kind_is_under_test():
-    from schemoe.collectives import ALGORITHMS
-    from schemoe.gradsync import GRAD_SYNCS
-
     assert set(WHATS) == set(ALGORITHMS.names()) | {f"grad:{n}" for n in GRAD_SYNCS.names()}
 
 

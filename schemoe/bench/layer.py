@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from .. import config as c
-from .. import trace
 from ..autotune import TUNED, AutoTuner
 from ..collectives import ALGORITHMS
 from ..compression import COMPRESSORS
@@ -222,13 +221,7 @@ def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
     """One traced forward+backward step per candidate (collective: every rank takes part)."""
     os.makedirs(folder, exist_ok=True)
     for name, layer in layers.items():
-        step = _step(layer, x, g)
-        step()  # warm: the traced step should show the steady state
-        dist.barrier()
-        with trace.record() as tl:
-            step()
-        if written := tl.save(os.path.join(folder, name.replace("/", "_"))):
-            print(f"trace: {', '.join(written)}", file=sys.stderr, flush=True)
+        timer.traced(_step(layer, x, g), folder, name)
 
 
 def bench(args: argparse.Namespace, env) -> None:

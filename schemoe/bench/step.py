@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
 
 import torch
@@ -224,12 +223,7 @@ def _trace(folder: str, steps: dict, cores: dict) -> None:
     os.makedirs(folder, exist_ok=True)
     for name, step in steps.items():
         hooks = _spans(cores[name])
-        step()  # warm: the traced step should show the steady state
-        dist.barrier()
-        with trace.record() as tl:
-            step()
-        if written := tl.save(os.path.join(folder, name.replace("/", "_"))):
-            print(f"trace: {', '.join(written)}", file=sys.stderr, flush=True)
+        timer.traced(step, folder, name)
         for h in hooks:
             h.remove()
 

@@ -14,15 +14,16 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import trace
 from ..timing import Stats, interleaved, measure, percentile  # re-exported: the benchmarks' timer
 
-__all__ = ["Stats", "header", "interleaved", "measure", "percentile", "report", "table"]
+__all__ = ["Stats", "header", "interleaved", "measure", "percentile", "report", "table", "traced"]
 
 
 def _cpu_model() -> str:
@@ -76,3 +77,14 @@ def report(
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     print("\n".join([*head, *table(rows, columns), json.dumps(summary)]), flush=True)
+
+
+def traced(step: Callable[[], None], folder: str, name: str) -> None:
+    """Trace one steady-state call of `step` (one warm call first; collective: every rank takes
+    part) into folder/<name>.json (+ .png), and say on stderr what was written."""
+    step()
+    dist.barrier()
+    with trace.record() as tl:
+        step()
+    if written := tl.save(os.path.join(folder, name.replace("/", "_"))):
+        print(f"trace: {', '.join(written)}", file=sys.stderr, flush=True)
