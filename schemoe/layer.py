@@ -67,8 +67,7 @@ def _topology(group, ranks_per_node: int | None) -> Topology:
 
 
 def _record_expert_slice(module: MoELayer, state_dict, prefix, local_metadata) -> None:
-    sl = module.expert_slice()
-    local_metadata["schemoe_experts"] = [sl.start, module.num_local, module.config.gate.num_experts]
+    local_metadata["schemoe_experts"] = module.expert_shard()
 
 
 class MoELayer(nn.Module):
@@ -325,7 +324,7 @@ class MoELayer(nn.Module):
     # ---------------------------------------------------------------- state
     def _check_expert_slice(self, state_dict, prefix, local_metadata, *_) -> None:
         got = local_metadata.get("schemoe_experts")
-        want = [self.expert_slice().start, self.num_local, self.config.gate.num_experts]
+        want = self.expert_shard()
         if got is not None and list(got) != want:
             first, n, E = got
             raise ValueError(
@@ -348,6 +347,10 @@ class MoELayer(nn.Module):
             update_balance_bias(self.expert_bias, load, self.config.gate.bias_update_rate)
         )
         self.expert_load.zero_()
+
+    def expert_shard(self) -> list[int]:
+        """[first global expert held here, how many, E]: what a state_dict records."""
+        return [self.expert_slice().start, self.num_local, self.config.gate.num_experts]
 
     def expert_slice(self) -> slice:
         r, El = self.topology.rank, self.num_local

@@ -149,4 +149,4 @@ def test_simulate_step_prices_micro_chunks_with_the_stack_model(capsys):
     assert len(by_m[1]) == len(by_m[2]) > 0 and len(rows) == 2 * len(by_m[1])
     assert [r["predicted_ms"] for r in rows] == sorted(r["predicted_ms"] for r in rows)
     assert cli.main([*argv[:-1], "3"]) == 2  # 3 does not divide the batch
-    assert "--micro-chunks 3 must divide --batch 4" in capsys.readouterr().err
+    assert "--micro-chunks 3 must be >= 1 and divide --batch 4" in capsys.readouterr().err

@@ -70,8 +70,8 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
     for m in args.micro_chunks:  # the blocks as a wavefront stack (costmodel/stack.py)
         if m == 1:
             continue
-        if shape.batch % m:
-            raise ValueError(f"--micro-chunks {m} must divide --batch {shape.batch}")
+        if m < 1 or shape.batch % m:
+            raise ValueError(f"--micro-chunks {m} must be >= 1 and divide --batch {shape.batch}")
         for row, _ in [rp for rp in preds if rp[0]["micro_chunks"] == 1]:
             pred = predict_stack_step(
                 hw, shape, row["policy"], args.algorithm, row["chunks"], micro=m,
