@@ -11,6 +11,15 @@ of a region is in flight and fewer than `window` buckets are in flight; the last
 backward posts and waits for every bucket left (`flush`), so all are done before the optimizer.
 The all-reduces run on their own communicator, never behind the all-to-alls in one queue.
 
+A micro-chunk stack (schemoe/stack.py) is one autograd Function, so DDP sees its weights'
+gradients only when its whole backward returns. The sync does not wait for that: the stack hands
+each block's dense gradients over as soon as they are final (`ready`, via the layers'
+`grad_ready`), and they are all-reduced then, in the stack's idle network time. When DDP later
+calls the hook for a bucket, each parameter whose gradient is bit for bit what was sent early
+takes the early result; the others (a weight also used outside the stack, whose gradient grew
+afterwards) are all-reduced from the bucket as usual. `early_params` / `bucket_params` count
+both ways. Inside `no_sync()` nothing is sent early, as DDP sends nothing.
+
 Algorithms (GRAD_SYNCS, plug-ins): `flat`, one all-reduce over the world; `hier`, a reduce to
 each node's first rank, an all-reduce among those ranks (one flow per node crosses the network:
 (P/R - 1)/(P/R) of the bytes instead of (P - 1)/P of them, R ranks per node) and a broadcast
@@ -28,6 +37,7 @@ one before); on NCCL they would be enqueued from the calling thread on the commu
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -126,44 +136,138 @@ class GradSync:
         self.topology = Topology.from_group(None, ranks_per_node)
         self.algorithm, self.dtype = cls(self.topology), COMPRESS[compress]
         self.background = Background(window)
+        self.ddp = ddp
+        self._managed = {id(p) for p in ddp.parameters() if p.requires_grad} - {
+            id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore
+        }
+        self._early: dict[int, tuple[_Early, int, int]] = {}  # id(param) -> (entry, offset, numel)
+        self.early_params = self.bucket_params = 0  # gradients synced early / in DDP's buckets
+        self.early_posts = 0  # early all-reduces posted in this backward (trace names AR.e<k>)
         for m in ddp.module.modules():
             if isinstance(m, MoELayer):
                 m.background = self.background
+                m.grad_ready = self.ready
         ddp.register_comm_hook(self, _hook)
 
-    def _start(self, payload: torch.Tensor) -> Callable[[], Any]:
-        def start():
-            if self.topology.world == 1:
-                return Done(payload)
-            return self.algorithm.start(payload)
+    def post(self, payload: torch.Tensor, name: str, done: Callable[[torch.Tensor], None]) -> None:
+        """All-reduce `payload` (already divided by the world size) as a background task; traced
+        as `name` on the link row; done(result) once it has completed."""
+        tracer, span = trace.active("backward"), [0.0]
 
-        return start
+        def start():
+            span[0] = time.perf_counter()
+            return Done(payload) if self.topology.world == 1 else self.algorithm.start(payload)
+
+        def finish(result: torch.Tensor) -> None:
+            if tracer is not None:  # the end is when the queue noticed it (an upper bound)
+                tracer.record(trace.Mark(name, "net"), span[0], time.perf_counter())
+            done(result)
+
+        self.background.submit(start, finish)
+
+    def payload(self, flat: torch.Tensor, *, keep: bool) -> torch.Tensor:
+        """What goes on the wire: (cast,) divided by the world size, torch's hooks' arithmetic;
+        in place in `flat` (fp32) unless `keep`."""
+        out = (
+            flat
+            if self.dtype is None and not keep
+            else flat.to(self.dtype or flat.dtype, copy=keep)
+        )
+        return out.div_(self.topology.world)
+
+    def ready(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """A scheduled stack's block of dense gradients is final before its backward returns:
+        all-reduce it now, in the background. The bucket hook uses the result only where the
+        bucket's gradients are exactly what was sent (else it reduces the bucket as usual), so
+        a parameter that gets more gradient after the stack costs bytes, never correctness."""
+        if not self.ddp.require_backward_grad_sync:  # inside no_sync(): nothing is synced
+            return
+        pairs = [(p, g) for p, g in zip(params, grads) if id(p) in self._managed]
+        if not pairs:
+            return
+        # The gradient autograd will leave in p.grad: the stack's sum, added to what is there.
+        local = torch.cat([(g if p.grad is None else p.grad + g).reshape(-1) for p, g in pairs])
+        entry, off = _Early(local), 0
+        for p, _ in pairs:
+            self._early[id(p)] = (entry, off, p.numel())
+            off += p.numel()
+        self.early_posts += 1
+        self.post(self.payload(local, keep=True), f"AR.e{self.early_posts}", entry.finish)
+
+
+class _Early:
+    """One early all-reduce: the local gradients sent, then the result; callbacks on completion."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local, self.result = local, None
+        self.waiters: list[Callable[[], None]] = []
+
+    def finish(self, result: torch.Tensor) -> None:
+        self.result = result
+        for w in self.waiters:
+            w()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        if self.result is not None:
+            fn()
+        else:
+            self.waiters.append(fn)
+
+
+def _split(sync: GradSync, bucket) -> tuple[list, list]:
+    """The bucket's parameters as (early, rest): early (at, n, entry, offset) where an early
+    all-reduce sent exactly the gradient DDP put at buffer[at : at + n]; rest (at, n)."""
+    buf, early, rest, at = bucket.buffer(), [], [], 0
+    for p in bucket.parameters():
+        n, got = p.numel(), sync._early.get(id(p))
+        if got is not None and torch.equal(buf[at : at + n], got[0].local[got[1] : got[1] + n]):
+            early.append((at, n, got[0], got[1]))
+        else:
+            rest.append((at, n))
+        at += n
+    if at != buf.numel():  # not the layout assumed: reduce the whole bucket
+        return [], [(0, buf.numel())]
+    return early, rest
 
 
 def _hook(sync: GradSync, bucket):  # DDP checks real annotations: bucket is a dist.GradBucket
-    buf = bucket.buffer()
-    fut: torch.futures.Future = torch.futures.Future()
-    # The same arithmetic as torch's allreduce_hook / *_compress_hook: (cast,) divide, sum.
-    payload = buf if sync.dtype is None else buf.to(sync.dtype)
-    payload.div_(sync.topology.world)
+    buf, fut = bucket.buffer(), torch.futures.Future()
+    early, rest = _split(sync, bucket)
+    sync.early_params += len(early)
+    sync.bucket_params += len(rest)
+    left = [len(early) + bool(rest)]
 
-    tracer, span = trace.active("backward"), [0.0]
-    start = sync._start(payload)
+    def part_done() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            fut.set_result(buf)
 
-    def timed_start():
-        span[0] = time.perf_counter()
-        return start()
+    def fill(at: int, n: int, entry: _Early, off: int) -> None:
+        buf[at : at + n].copy_(entry.result[off : off + n])
+        part_done()
 
-    def done(result: torch.Tensor) -> None:
-        if tracer is not None:  # the end is when the queue noticed it (an upper bound)
-            tracer.record(trace.Mark(f"AR.{bucket.index()}", "net"), span[0], time.perf_counter())
-        if result is not buf:
-            buf.copy_(result)
-        fut.set_result(buf)
+    for part in early:
+        part[2].then(functools.partial(fill, *part))
+    if rest:  # what no early all-reduce sent: reduced here, the same arithmetic
+        whole = rest == [(0, buf.numel())]
+        flat = buf if whole else torch.cat([buf[at : at + n] for at, n in rest])
 
-    sync.background.submit(timed_start, done)
+        def done(result: torch.Tensor) -> None:
+            if whole:
+                if result is not buf:
+                    buf.copy_(result)
+            else:
+                at2 = 0
+                for at, n in rest:
+                    buf[at : at + n].copy_(result[at2 : at2 + n])
+                    at2 += n
+            part_done()
+
+        sync.post(sync.payload(flat, keep=False), f"AR.{bucket.index()}", done)
     if bucket.is_last():  # every bucket is ready: post the rest, all done before the optimizer
         sync.background.flush()
+        sync._early.clear()
+        sync.early_posts = 0
     return fut
 
 

@@ -114,6 +114,9 @@ class MoELayer(nn.Module):
         # Low-priority transfers (a scheduled gradient sync's buckets) this layer's region posts
         # into its idle network time; set by whoever owns them (schemoe.gradsync.GradSync).
         self.background: Background | None = None
+        # Where a scheduled stack hands a block's dense gradients once they are final, before
+        # its backward returns (grad_ready(params, grads)); set by the same owner.
+        self.grad_ready: Callable[[list, list], None] | None = None
         if config.schedule.policy not in NEEDS_TUNER:
             self.configure(config)
 

@@ -175,10 +175,13 @@ def expert_backward(
 class OrderedSum:
     """Per-parameter gradient sums in a fixed order: `expected[p]` lists the keys (tasks) of
     parameter p's contributions in summation order; one that arrives before the ones ahead of
-    it waits, so the sum's rounding does not depend on the schedule that produced them."""
+    it waits, so the sum's rounding does not depend on the schedule that produced them.
+    `on_final(p)`, if given, runs once parameter p's last expected contribution is in."""
 
-    def __init__(self, n: int, expected: dict[int, list]) -> None:
-        self.expected, self.next = expected, [0] * n
+    def __init__(
+        self, n: int, expected: dict[int, list], on_final: Callable[[int], None] | None = None
+    ) -> None:
+        self.expected, self.next, self.on_final = expected, [0] * n, on_final
         self.pending: list[dict[Any, torch.Tensor | None]] = [{} for _ in range(n)]
         self.acc: list[torch.Tensor | None] = [None] * n
         self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
@@ -191,6 +194,8 @@ class OrderedSum:
             while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
                 self._add(p, self.pending[p].pop(q[self.next[p]]))
                 self.next[p] += 1
+                if self.next[p] == len(q) and self.on_final is not None:
+                    self.on_final(p)
 
     def _add(self, p: int, g: torch.Tensor | None) -> None:
         if g is None:
@@ -202,9 +207,13 @@ class OrderedSum:
         else:
             self.acc[p], self.owned[p] = self.acc[p] + g, True
 
+    def total(self, p: int, param: torch.Tensor) -> torch.Tensor:
+        """Parameter p's sum so far (zeros where nothing came)."""
+        return self.acc[p] if self.acc[p] is not None else torch.zeros_like(param)
+
     def result(self, params) -> list[torch.Tensor]:
         assert all(not d for d in self.pending), "a gradient arrived out of its expected set"
-        return [a if a is not None else torch.zeros_like(p) for a, p in zip(self.acc, params)]
+        return [self.total(n, p) for n, p in enumerate(params)]
 
 
 class _RegionFn(torch.autograd.Function):

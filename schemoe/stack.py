@@ -35,7 +35,11 @@ attention and the expert FFNs see exactly the rows they see at m = 1; what chang
 Gradient buckets: the executor hands its in-flight count to the layers' Background queue (as the
 region does), so buckets queued before the stack's backward post into its idle network time.
 DDP marks a bucket ready when autograd accumulates its weights' gradients, which for weights
-inside the stack is when the stack's backward returns (they are outputs of one Function).
+inside the stack is when the stack's backward returns (they are outputs of one Function); so
+under a scheduled gradient sync the stack hands each block's dense gradients on as soon as they
+are final (the layers' `grad_ready`: one group per block, the same whatever the policy), and the
+sync all-reduces them in the stack's idle network time, before its backward returns
+(gradsync.GradSync.ready).
 Not supported: double backward; layers whose policy is "auto"/"search" until a tuner has
 configured them (the tuner's hooks see MoELayer calls, which the stack does not make).
 

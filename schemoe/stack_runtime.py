@@ -91,6 +91,15 @@ class StackCall:
             self.po_p.append(_unique(s.post.parameters()) if s.post is not None else [])
         self.params = _unique(p for ps in (*self.at_p, *self.e_p, *self.po_p) for p in ps)
         self.index = {id(p): n for n, p in enumerate(self.params)}
+        # Dense gradients go to the gradient sync (grad_ready) a block at a time, as soon as
+        # the block's are final in backward: a group per block, its pre and post parameters
+        # (each in the first block that has it), fixed whatever order the policy runs.
+        self.grad_ready = next((s.moe.grad_ready for s in stages if s.moe.grad_ready), None)
+        self.group_of: dict[int, int] = {}
+        for b in range(len(stages)):
+            for p in (*self.at_p[b], *self.po_p[b]):
+                self.group_of.setdefault(self.index[id(p)], b)
+        self.groups = [[n for n, g in self.group_of.items() if g == b] for b in range(len(stages))]
         self.rec: dict[tuple[int, int], dict] = {}  # (block, micro) -> tensors of the call
         self.freed = False  # a backward without retain_graph ran
         self.f_E: dict[int, torch.Tensor] = {}  # block -> its choices' fractions per expert
@@ -203,7 +212,8 @@ class StackCall:
         graph, sched = self.schedule(Direction.BACKWARD)
         # Weight gradients are summed in the sequential policy's backward order, whatever runs.
         order = self.schedule(Direction.BACKWARD, "sequential")[1].order["compute"]
-        self.acc = OrderedSum(len(self.params), self._expected(order))
+        self.left = [len(g) for g in self.groups]
+        self.acc = OrderedSum(len(self.params), self._expected(order), self._final)
         execute(
             sched,
             graph,
@@ -213,6 +223,19 @@ class StackCall:
         )
         g_x = torch.cat([self.rec[(0, j)]["g_in"] for j in range(self.m)])
         return g_x, self.acc.result(self.params)
+
+    def _final(self, n: int) -> None:
+        """Parameter n's gradient is complete: hand its block's group on once all of it is."""
+        b = self.group_of.get(n)
+        if b is None or self.grad_ready is None:
+            return
+        self.left[b] -= 1
+        if self.left[b] == 0:
+            group = self.groups[b]
+            self.grad_ready(
+                [self.params[i] for i in group],
+                [self.acc.total(i, self.params[i]) for i in group],
+            )
 
     def _owner(self, t: Task) -> list[torch.Tensor]:
         return {Kind.AT: self.at_p, Kind.E: self.e_p, Kind.PO: self.po_p}[t.kind][t.block]
