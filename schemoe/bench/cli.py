@@ -1,4 +1,4 @@
-"""`schemoe bench a2a|layer|step|compress`, and where the ranks of a benchmark come from.
+"""`schemoe bench a2a|layer|step|compress|report`, and where the ranks of a benchmark come from.
 
 A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env) -> None`
 (collective; it prints through `timer.report`). Its ranks come from one of three places:
@@ -29,6 +29,7 @@ from .._cli_util import guard
 from ..costmodel.profiles import cache_key
 from ..links import Links
 from ..topology import launcher_local_rank
+from . import regen
 
 __all__ = ["BenchEnv", "register"]
 
@@ -198,6 +199,9 @@ def register(subparsers) -> None:
         cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
         compress.add_arguments(cp)
         cp.set_defaults(func=guard("schemoe bench", partial(_compress, compress)))
+    rp = sub.add_parser("report", help=regen.__doc__.splitlines()[0])
+    regen.add_arguments(rp)
+    rp.set_defaults(func=guard("schemoe bench", regen.run))
 
 
 if __name__ == "__main__":  # a testbed child: python -m schemoe.bench.cli <name> <opts as JSON>

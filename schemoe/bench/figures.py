@@ -1,0 +1,215 @@
+"""Every figure of the README's Results and docs/costmodel.md as data: where it runs, the
+commands that make it (argv after the Python executable), its raw output files and a table maker
+(`schemoe.bench.tables`). `{out}` in an argument is the report's output folder, `{home}` the
+figure's own empty HOME (`Step.fresh_home`: auto and --predict read the profile store there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from . import tables
+
+__all__ = ["FIGURES", "Figure", "Step", "TestbedSpec", "by_name"]
+
+CLI = ("-m", "schemoe.cli")
+
+
+@dataclass(frozen=True)
+class TestbedSpec:
+    """The `schemoe testbed up` arguments of a figure."""
+
+    rate: str
+    nodes: int = 2
+    intra_rate: str | None = None
+    ranks_per_node: int | None = None
+    intra_link: str | None = None
+
+    def up_argv(self) -> list[str]:
+        argv = [*CLI, "testbed", "up", "--nodes", str(self.nodes), "--rate", self.rate]
+        if self.intra_rate:
+            argv += ["--intra-rate", self.intra_rate, "--ranks-per-node", str(self.ranks_per_node)]
+            argv += ["--intra-link", self.intra_link or "shared"]
+        return argv
+
+    def describe(self) -> str:
+        return " ".join(self.up_argv()[4:])
+
+
+@dataclass(frozen=True)
+class Step:
+    argv: tuple[str, ...]
+    out: str  # raw output file name in the report folder
+    fresh_home: bool = False
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    title: str
+    where: TestbedSpec | None  # None: loopback on this host
+    steps: tuple[Step, ...]
+    minutes: float  # a rough estimate of the wall time on this project's 2-core box
+    table: Callable[[Sequence[str]], tables.Table]
+    committed: tuple[str | None, ...] = ()  # docs/results files a past run wrote, per step
+
+    @property
+    def outputs(self) -> list[str]:
+        return [s.out for s in self.steps]
+
+
+def _bench(kind: str, *flags: str) -> tuple[str, ...]:
+    return (*CLI, "bench", kind, "--testbed", "--ranks-per-node", "2", *flags)
+
+
+def _on_testbed(*argv: str) -> tuple[str, ...]:
+    return (*CLI, "testbed", "run", "--ranks-per-node", "2", "--", *argv)
+
+
+LAYER = ("--policies", "sequential,tutel,schemoe,fastermoe")
+A2A_ALL = ("--algorithms", "naive,pairwise,pipe,hier2d,leader")
+SEPARATE = TestbedSpec("300mbit", intra_rate="100mbit", ranks_per_node=2, intra_link="separate")
+SHARED = TestbedSpec("300mbit", intra_rate="100mbit", ranks_per_node=2, intra_link="shared")
+STEP = ("--grad-syncs", "ddp,scheduled", "--grad-compressors", "none,bf16", "--grad-algorithm", "hier")  # fmt: skip
+COMPRESSORS = ("none", "fp16", "bf16", "fp8", "int8", "zfp")
+AUTO_SHAPES = {1: (1024, 256, 1024, 8), 2: (2048, 256, 1024, 4), 3: (512, 512, 1024, 8), 4: (1024, 128, 512, 16)}  # fmt: skip
+COST_SHAPES = {1: (1024, 256, 1024, 8), 2: (512, 256, 2048, 8), 3: (2048, 128, 512, 8), 4: (1024, 512, 512, 4)}  # fmt: skip
+
+
+def _shape(t: int, m: int, h: int, e: int) -> tuple[str, ...]:
+    return ("--tokens", str(t), "--model-dim", str(m), "--hidden-dim", str(h), "--experts", str(e))
+
+
+def _step_figure(name: str, stem: str, title: str, rate: str, flags: tuple[str, ...],
+                 minutes: float, validate: bool) -> Figure:  # fmt: skip
+    """bench step on the testbed (to STEM.txt), then (validate=True) a profile at its shape and
+    validate."""
+    bench = Step(_bench("step", *flags), f"{stem}.txt")
+    steps = [bench]
+    if validate:
+        prof = f"{{out}}/{stem}.profile.json"
+        steps.append(Step(_on_testbed(*CLI, "profile", "--link-rate", rate, "--path", prof,
+                                      "--model-dim", "128", "--hidden-dim", "256", "--tokens",
+                                      "512", "--experts", "8"), f"{stem}.profile.txt"))  # fmt: skip
+        steps.append(Step((*CLI, "validate", f"{{out}}/{stem}.txt={prof}"), f"{stem}.validate.txt"))  # fmt: skip
+    return Figure(name, title, TestbedSpec(rate), tuple(steps), minutes, tables.step,
+                  tuple(s.out for s in steps))  # fmt: skip
+
+
+def _figures() -> list[Figure]:
+    f = [
+        Figure("layer_400mbit", "One MoE layer, forward + backward, 400 Mbit/s (README)",
+               TestbedSpec("400mbit"),
+               (Step(_bench("layer", *LAYER, "--algorithms", "naive,pipe", "--chunks", "1,2,4",
+                            "--peer", "deepspeed", "--repeats", "6"), "layer_2node_400mbit.txt"),),
+               8, tables.layer_vs_baseline, ("layer_2node_400mbit.txt",)),
+        Figure("a2a_2gbit", "All-to-all algorithms, 2 Gbit/s (README)", TestbedSpec("2gbit"),
+               (Step(_bench("a2a", *A2A_ALL, "--sizes", "256K,2M,8M,32M", "--repeats", "7"),
+                     "a2a_2node_2gbit.txt"),), 4, tables.a2a, ("a2a_2node_2gbit.txt",)),
+        Figure("a2a_10gbit", "All-to-all algorithms, 10 Gbit/s (README, in the text)",
+               TestbedSpec("10gbit"),
+               (Step(_bench("a2a", *A2A_ALL, "--sizes", "2M,8M,32M", "--repeats", "7"),
+                     "a2a_2node_10gbit.txt"),), 3, tables.a2a, ("a2a_2node_10gbit.txt",)),
+        Figure("a2a_separate", "Pipe-A2A's regime: both links shaped, separate rank links (README)",
+               SEPARATE,
+               (Step(_bench("a2a", *A2A_ALL, "--sizes", "2M,8M,32M", "--repeats", "7",
+                            "--timeout", "900"), "a2a_2node_300mbit_intra100mbit_separate.txt"),),
+               10, tables.a2a, ("a2a_2node_300mbit_intra100mbit_separate_run1.txt",)),
+        Figure("a2a_shared", "The same with --intra-link shared (README)", SHARED,
+               (Step(_bench("a2a", *A2A_ALL, "--sizes", "2M,8M,32M", "--repeats", "7",
+                            "--timeout", "900"), "a2a_2node_300mbit_intra100mbit_shared.txt"),),
+               12, tables.a2a, ("a2a_2node_300mbit_intra100mbit_shared.txt",)),
+        Figure("layer_separate", "The layer on the separate-links testbed (README)", SEPARATE,
+               (Step(_bench("layer", *LAYER, "--algorithms", "naive,pipe,pairwise", "--chunks",
+                            "1,2,4", "--repeats", "5", "--timeout", "1200"),
+                     "layer_2node_300mbit_intra100mbit_separate.txt"),),
+               12, tables.layer_per_algorithm,
+               ("layer_2node_300mbit_intra100mbit_separate_run1.txt",)),
+        Figure("layer_compress_200mbit", "Compression in the layer, 200 Mbit/s (README)",
+               TestbedSpec("200mbit"),
+               (Step(_bench("layer", "--policies", "tutel,schemoe", "--compressors",
+                            "none,fp16,int8,zfp/none", "--chunks", "2,4", "--repeats", "5"),
+                     "layer_compress_2node_200mbit.txt"),),
+               6, tables.layer_compress, ("layer_compress_2node_200mbit.txt",)),
+        Figure("train_compress_accuracy", "Training accuracy with compressed all-to-alls (README)",
+               None,
+               tuple(Step((*CLI, "train", "--nproc", "2", "--steps", "60", "--compressor", c,
+                           "--compressor-backward", c), f"train_compress_{c}.txt")
+                     for c in COMPRESSORS),
+               8, partial(tables.train_compress, names=COMPRESSORS)),
+        _step_figure("step_300mbit", "step_2node_300mbit", "Whole training steps, 300 Mbit/s (README)", "300mbit",
+                     ("--policies", "schemoe", "--chunks", "4", *STEP, "--peer", "deepspeed",
+                      "--bucket-mb", "0.25", "--repeats", "7", "--trace", "{out}/step_trace"),
+                     6, validate=True),
+        _step_figure("step_200mbit", "step_2node_200mbit", "Whole steps, 200 Mbit/s, 1 MiB buckets (README text)",
+                     "200mbit",
+                     ("--policies", "schemoe", "--chunks", "4", *STEP, "--peer", "deepspeed",
+                      "--bucket-mb", "1", "--repeats", "7"), 6, validate=True),
+        _step_figure("step_300mbit_chunks", "step_2node_300mbit_chunks", "Whole steps over r = 1, 2, 4 (README text)",
+                     "300mbit",
+                     ("--policies", "schemoe", "--chunks", "1,2,4", *STEP, "--peer", "deepspeed",
+                      "--bucket-mb", "0.25", "--repeats", "7"), 6, validate=False),
+        Figure("step_600mbit_micro", "Whole steps with micro-chunks, 600 Mbit/s (README)",
+               TestbedSpec("600mbit"),
+               (Step(_bench("step", "--policies", "sequential,schemoe", "--chunks", "1,4",
+                            "--micro-chunks", "1,2,4", *STEP, "--bucket-mb", "0.25", "--peer",
+                            "deepspeed", "--repeats", "7", "--trace", "{out}/step_trace_600mbit"),
+                     "step_2node_600mbit_micro.txt"),),
+               14, tables.step_micro, ("step_2node_600mbit_micro.txt",)),
+        Figure("train_auto_100mbit", "Training on the testbed, auto vs sequential (README)",
+               TestbedSpec("100mbit"),
+               (Step(_on_testbed(*CLI, "profile", "--ranks-per-node", "2", "--model-dim", "256",
+                                 "--hidden-dim", "512"), "train_testbed_100mbit.profile.txt", True),
+                Step(_on_testbed("-m", "schemoe", "train", "--steps", "30", "--model-dim", "256",
+                                 "--hidden-dim", "512", "--policy", "auto"),
+                     "train_testbed_100mbit_auto.txt", True),
+                Step(_on_testbed("-m", "schemoe", "train", "--steps", "30", "--model-dim", "256",
+                                 "--hidden-dim", "512", "--policy", "sequential", "--chunks", "1"),
+                     "train_testbed_100mbit_sequential.txt", True)),
+               6, partial(tables.train_policies, names=("auto", "sequential")),
+               (None, "train_testbed_100mbit_auto.txt", "train_testbed_100mbit_sequential.txt")),
+        Figure("overhead", "Executor overhead (README)", None,
+               (Step(("-m", "schemoe.bench.overhead"), "overhead.txt"),), 1, tables.overhead),
+        Figure("layer_vs_deepspeed_loopback", "Layer compute against DeepSpeed (reliability.md)",
+               None,
+               (Step((*CLI, "bench", "layer", "--nproc", "4", "--policies", "sequential", "--peer",
+                      "deepspeed", "--repeats", "15"), "layer_vs_deepspeed_loopback.txt"),),
+               3, tables.layer_vs_deepspeed, ("layer_vs_deepspeed_loopback_run1.txt",)),
+    ]  # fmt: skip
+    for i, shape in AUTO_SHAPES.items():
+        f.append(Figure(
+            f"auto_noprofile_shape{i}", f"auto with no profile on disk, shape {i} (costmodel.md)",
+            TestbedSpec("400mbit"),
+            (Step(_bench("layer", "--policies", "auto,schemoe,tutel", "--chunks", "1,2,4,8",
+                         "--warmup", "2", "--repeats", "7", *_shape(*shape)),
+                  f"auto_noprofile_400mbit_shape{i}.txt", True),),
+            3, tables.auto_noprofile, (f"auto_noprofile_400mbit_shape{i}.txt",)))  # fmt: skip
+    for i, shape in COST_SHAPES.items():
+        prof = "{home}/.cache/schemoe/profiles.json"  # where bench --predict reads it
+        f.append(Figure(
+            f"costmodel_s{i}", f"simulated vs measured, shape s{i} (costmodel.md)",
+            TestbedSpec("400mbit"),
+            (Step(_on_testbed(*CLI, "profile", "--ranks-per-node", "2", *_shape(*shape)),
+                  f"costmodel_s{i}.profile.txt", True),
+             Step(_bench("layer", "--policies", "sequential,tutel,schemoe,fastermoe,auto",
+                         "--algorithms", "naive,pipe", "--chunks", "1,2,4,8", *_shape(*shape),
+                         "--warmup", "2", "--repeats", "11", "--predict"),
+                  f"costmodel_s{i}.txt", True),
+             Step((*CLI, "validate", f"{{out}}/costmodel_s{i}.txt={prof}"),
+                  f"costmodel_s{i}.validate.txt", True)),
+            6, tables.costmodel, (None, f"costmodel_s{i}.txt", None)))  # fmt: skip
+    return f
+
+
+FIGURES = _figures()
+
+
+def by_name(names: Sequence[str]) -> list[Figure]:
+    """The figures named, in FIGURES order; unknown names: ValueError naming them and the known."""
+    known = {f.name: f for f in FIGURES}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown figure(s) {', '.join(bad)}; known: {', '.join(known)}")
+    return [f for f in FIGURES if f.name in names]

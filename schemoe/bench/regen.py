@@ -1,0 +1,222 @@
+"""`schemoe bench report`: regenerate every figure of the README and docs in one run.
+
+Figures (`schemoe.bench.figures`) run one after another, each command a subprocess
+(`python -m schemoe.cli ...`); a testbed figure brings the testbed up before its commands and
+always down after them. Each command's stdout goes to OUT/<file> under one header line (start
+time, UTC, and the command), its stderr to OUT/<file>.stderr; OUT/REPORT.md gets per figure the
+commands, the table, the raw files and the wall time. A figure that fails is marked failed there
+and the run goes on. `--compare DIR1 DIR2` puts two runs' tables side by side: a claim stands
+only where it holds in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .figures import FIGURES, Figure, Step, by_name
+from .tables import Table
+
+__all__ = ["add_arguments", "compare", "dry_run", "run", "run_figures", "select"]
+
+# runner(argv, stdout file, stderr file, env or None, timeout s) -> exit code; files opened for append
+Runner = Callable[[list[str], Path, Path, "dict | None", float], int]
+
+
+def subprocess_runner(argv: list[str], out: Path, err: Path, env: dict | None, timeout: float) -> int:  # fmt: skip
+    with open(out, "a") as o, open(err, "a") as e:
+        try:
+            return subprocess.run(
+                argv, check=False, stdout=o, stderr=e, env=env, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            e.write(f"\n# killed after {timeout:g} s (--timeout)\n")
+            return 124
+
+
+def select(only: Sequence[str] | None, testbed: bool) -> list[Figure]:
+    """The figures to run: --only's (all must exist) or all; testbed figures need --testbed."""
+    figs = by_name(only) if only else [f for f in FIGURES if testbed or f.where is None]
+    need = [f.name for f in figs if f.where is not None]
+    if need and not testbed:
+        raise ValueError(f"figure(s) {', '.join(need)} run on the testbed: add --testbed (as root)")
+    return figs
+
+
+def _argv(step: Step, out: Path, home: Path) -> list[str]:
+    return [sys.executable, *(a.format(out=out, home=home) for a in step.argv)]
+
+
+def _show(argv: Sequence[str]) -> str:
+    return shlex.join(["python", *argv[1:]])
+
+
+def dry_run(figs: Sequence[Figure], out: Path) -> list[str]:
+    """Every command in the order the run would start it, testbed up/down included."""
+    lines = []
+    for f in figs:
+        home = out / "home" / f.name
+        lines.append(f"# {f.name}: {f.title} (~{f.minutes:g} min)")
+        if f.where:
+            lines.append(_show([sys.executable, *f.where.up_argv()]))
+        for s in f.steps:
+            env = f"HOME={home} " if s.fresh_home else ""
+            lines.append(f"{env}{_show(_argv(s, out, home))} > {out / s.out}")
+        if f.where:
+            lines.append(_show([sys.executable, "-m", "schemoe.cli", "testbed", "down"]))
+    return lines
+
+
+def _stamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _run_figure(f: Figure, out: Path, runner: Runner, timeout: float) -> tuple[str, str]:
+    """Run one figure's commands; (status, table markdown or why there is none)."""
+    home = out / "home" / f.name
+    bed_log = out / f"{f.name}.testbed.txt"
+    failed = None
+    try:
+        if f.where:
+            up = [sys.executable, *f.where.up_argv()]
+            if runner(up, bed_log, bed_log, None, 120) != 0:
+                return "failed", f"`{_show(up)}` failed: see {bed_log.name}"
+        for s in f.steps:
+            argv = _argv(s, out, home)
+            env = None
+            if s.fresh_home:
+                home.mkdir(parents=True, exist_ok=True)
+                env = {**os.environ, "HOME": str(home)}
+            with open(out / s.out, "w") as o:
+                o.write(f"# started {_stamp()}: {_show(argv)}\n")
+            (out / f"{s.out}.stderr").write_text("")
+            rc = runner(argv, out / s.out, out / f"{s.out}.stderr", env, timeout)
+            if rc != 0:
+                failed = f"`{_show(argv)}` exited {rc}: see {s.out}.stderr"
+                break
+    finally:
+        if f.where:
+            runner([sys.executable, "-m", "schemoe.cli", "testbed", "down"], bed_log, bed_log, None, 120)  # fmt: skip
+    if failed:
+        return "failed", failed
+    try:
+        return "ok", render(f.table([(out / n).read_text() for n in f.outputs]))
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return "failed", f"no table: {type(e).__name__}: {e}"
+
+
+def render(t: Table) -> str:
+    lines = [t.markdown()]
+    if t.claims:
+        lines.append("")
+        lines += [f"- {c.text}: {'holds' if c.holds else 'does not hold'} ({c.value})" for c in t.claims]  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_figures(figs: Sequence[Figure], out: Path, runner: Runner = subprocess_runner,
+                timeout: float = 3600.0) -> Path:  # fmt: skip
+    """Run `figs` in order into `out`; write and return out/REPORT.md (after every figure)."""
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(f.minutes for f in figs)
+    parts = [
+        f"# schemoe bench report\n\nstarted {_stamp()}; estimate {total:g} min for {len(figs)} figure(s)\n"
+    ]
+    report = out / "REPORT.md"
+    for f in figs:
+        t0, start = time.monotonic(), _stamp()
+        status, body = _run_figure(f, out, runner, timeout)
+        took = (time.monotonic() - t0) / 60
+        where = f"testbed `{f.where.describe()}`" if f.where else "loopback, this host"
+        cmds = "\n".join(dry_run([f], out)[1:])
+        parts.append(
+            f"## {f.name}: {f.title}\n\n**{status}**; {where}; started {start}, took {took:.1f} min "
+            f"(estimate {f.minutes:g})\n\n```bash\n{cmds}\n```\n\n{body}\n\nraw: "
+            + ", ".join(f"`{n}`" for n in f.outputs) + "\n"
+        )  # fmt: skip
+        report.write_text("\n".join(parts))
+    report.write_text("\n".join(parts))
+    return report
+
+
+def compare(dir1: Path, dir2: Path) -> str:
+    """Both runs' tables, cell by cell ("a / b" where they differ), and each claim's verdict."""
+    lines = [
+        f"# schemoe bench report: {dir1} vs {dir2}\n",
+        "Cells show run 1 / run 2 where they differ. Rule: a claim stands only where it holds in both runs.\n",
+    ]
+    for f in FIGURES:
+        if not all((d / n).exists() for d in (dir1, dir2) for n in f.outputs):
+            continue
+        try:
+            t1, t2 = (f.table([(d / n).read_text() for n in f.outputs]) for d in (dir1, dir2))
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            lines.append(f"## {f.name}\n\nno table in one of the runs: {type(e).__name__}: {e}\n")
+            continue
+        rows2 = {r[0]: r for r in t2.rows}
+        rows = []
+        for r in t1.rows:
+            o = rows2.get(r[0], [""] * len(r))
+            rows.append([a if a == b else f"{a} / {b}" for a, b in zip(r, o)])
+        rows += [r for r in t2.rows if r[0] not in {x[0] for x in t1.rows}]
+        lines += [f"## {f.name}: {f.title}\n", Table(t1.columns, rows).markdown(), ""]
+        c2 = {c.text: c for c in t2.claims}
+        for c in t1.claims:
+            o = c2.get(c.text)
+            both = c.holds and o is not None and o.holds
+            seen = f"{c.value} / {o.value}" if o else f"{c.value} / absent"
+            lines.append(f"- {c.text} ({seen}): {'holds in both' if both else 'does NOT hold in both'}")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="folder for raw outputs and REPORT.md (with "
+                   "--compare: a file for the comparison, else it is printed)")  # fmt: skip
+    p.add_argument("--only", default=None, help="comma-separated figure names (see --list)")
+    p.add_argument("--testbed", action="store_true", help="include the testbed figures (root)")
+    p.add_argument("--list", action="store_true", help="print each figure, where, estimate")
+    p.add_argument("--dry-run", action="store_true", help="print every command; run nothing")
+    p.add_argument("--timeout", type=float, default=3600.0, help="kill a command after S s")
+    p.add_argument("--compare", nargs=2, metavar=("DIR1", "DIR2"), default=None,
+                   help="two report folders: tables side by side, claims that hold in both")  # fmt: skip
+
+
+def run(args: argparse.Namespace, runner: Runner = subprocess_runner, euid: int | None = None) -> int:  # fmt: skip
+    if args.compare:
+        text = compare(Path(args.compare[0]), Path(args.compare[1]))
+        if args.out:
+            Path(args.out).write_text(text)
+        else:
+            print(text)
+        return 0
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    only = [n for n in args.only.split(",") if n] if args.only else None
+    figs = select(only, args.testbed or args.list)
+    if args.list:
+        for f in figs:
+            where = f"testbed {f.where.describe()}" if f.where else "loopback"
+            print(f"{f.name:28} {where:70} ~{f.minutes:g} min")
+        print(f"total ~{sum(f.minutes for f in figs):g} min (estimate)")
+        return 0
+    if not args.out:
+        raise ValueError("--out DIR is needed (where the raw outputs and REPORT.md go)")
+    out = Path(args.out).resolve()
+    if args.dry_run:
+        print("\n".join(dry_run(figs, out)))
+        return 0
+    euid = os.geteuid() if euid is None else euid
+    need = [f.name for f in figs if f.where]
+    if need and euid != 0:
+        raise ValueError(f"figure(s) {', '.join(need)} need the testbed, which needs root; "
+                         "run as root or leave out --testbed")  # fmt: skip
+    print(f"report: {len(figs)} figure(s), ~{sum(f.minutes for f in figs):g} min (estimate)")
+    print(f"wrote {run_figures(figs, out, runner, args.timeout)}")
+    return 0

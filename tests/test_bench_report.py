@@ -1,0 +1,133 @@
+"""`schemoe bench report`: the figures' table makers on the committed raw outputs, the dry run's
+testbed pairing, --only, the runner past a failing figure, and --compare of two runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from schemoe.bench import figures, regen
+from schemoe.bench.figures import FIGURES
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+VALIDATE = '{"configurations": 30, "median_abs_error": 0.142, "worst_abs_error": 0.234, "points": []}'  # fmt: skip
+COMMITTED = [f for f in FIGURES if f.committed]
+
+
+@pytest.mark.parametrize("fig", COMMITTED, ids=[f.name for f in COMMITTED])
+def test_every_figure_with_a_committed_output_makes_a_table_from_it(fig):
+    texts = [(RESULTS / n).read_text() if n else "" for n in fig.committed]
+    if fig.name.startswith("costmodel"):  # its validate output was not committed
+        texts[2] = VALIDATE
+    table = fig.table(texts)
+    assert table.rows and all(len(r) == len(table.columns) for r in table.rows)
+    md = table.markdown()
+    assert md.count("\n") == len(table.rows) + 1
+
+
+def test_the_layer_table_has_the_readme_rows_and_ratios():
+    fig = figures.by_name(["layer_400mbit"])[0]
+    t = fig.table([(RESULTS / "layer_2node_400mbit.txt").read_text()])
+    rows = {r[0]: r for r in t.rows}
+    assert rows["sequential r=1 (baseline)"][3] == "1.00x"
+    assert rows["best schemoe"][1:] == ["naive r=4", "306.3", "1.44x"]
+    assert rows["DeepSpeed-MoE"][3] == "1.12x"
+
+
+def test_the_train_and_overhead_makers_read_their_json_lines():
+    line = json.dumps({"losses": [3.0] * 5 + [2.0] * 10})
+    t = figures.by_name(["train_compress_accuracy"])[0].table(
+        [line, json.dumps({"losses": [2.02] * 10})] + [line] * 4
+    )
+    assert [r[0] for r in t.rows] == list(figures.COMPRESSORS)
+    assert t.rows[1][2] == "+1.0%" and t.claims[0].holds
+    o = figures.by_name(["overhead"])[0].table(
+        ['x\n{"scheduler_us_per_task": 1.4, "layer_us_per_extra_task": 74.0}']
+    )
+    assert o.rows[0][1] == "1.4 us"
+
+
+def test_dry_run_brings_every_testbed_down_before_the_next_one_comes_up():
+    lines = regen.dry_run(FIGURES, Path("/tmp/out"))
+    up = False
+    ups = 0
+    for line in lines:
+        if "testbed up" in line:
+            assert not up, line
+            up, ups = True, ups + 1
+        elif "testbed down" in line:
+            assert up, line
+            up = False
+    assert not up and ups == sum(1 for f in FIGURES if f.where)
+
+
+def test_only_with_an_unknown_name_names_it_and_the_known_ones():
+    with pytest.raises(ValueError, match="nope.*known: layer_400mbit"):
+        regen.select(["overhead", "nope"], testbed=True)
+    with pytest.raises(ValueError, match="--testbed"):
+        regen.select(["layer_400mbit"], testbed=False)
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"out": None, "only": None, "testbed": False, "list": False, "dry_run": False}
+    base |= {"timeout": 60.0, "compare": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_testbed_figures_are_refused_up_front_when_not_root(tmp_path):
+    calls = []
+    with pytest.raises(ValueError, match="root"):
+        regen.run(_args(out=str(tmp_path), only="layer_400mbit", testbed=True),
+                  runner=lambda *a: calls.append(a) or 0, euid=1000)  # fmt: skip
+    assert calls == []
+
+
+def test_the_runner_goes_on_past_a_failing_figure_and_marks_it_failed(tmp_path):
+    figs = figures.by_name(["layer_400mbit", "overhead"])
+    seen = []
+
+    def fake(argv, out, err, env, timeout):
+        seen.append(argv[1:])
+        if "layer" in argv:
+            return 3
+        if "schemoe.bench.overhead" in argv:
+            with open(out, "a") as f:
+                f.write('{"scheduler_us_per_task": 1.5, "layer_us_per_extra_task": 70.0}\n')
+        return 0
+
+    report = regen.run_figures(figs, tmp_path, fake).read_text()
+    assert "## layer_400mbit" in report and "**failed**" in report and "exited 3" in report
+    assert "## overhead" in report and "**ok**" in report and "1.5 us" in report
+    downs = [a for a in seen if a[-2:] == ["testbed", "down"]]
+    assert len(downs) == 1  # the testbed came down although the figure failed
+    assert (tmp_path / "overhead.txt").read_text().startswith("# started ")
+
+
+def _run_dir(path: Path, seq: float, schemoe: float) -> Path:
+    path.mkdir()
+    rows = [
+        {"policy": "sequential", "algorithm": "naive", "compressor": "none", "chunks": 1,
+         "median_ms": seq, "p10_ms": seq, "p90_ms": seq},
+        {"policy": "schemoe", "algorithm": "naive", "compressor": "none", "chunks": 4,
+         "median_ms": schemoe, "p10_ms": schemoe, "p90_ms": schemoe},
+        {"policy": "deepspeed", "algorithm": "deepspeed", "compressor": "none", "chunks": 1,
+         "median_ms": 400.0, "p10_ms": 400.0, "p90_ms": 400.0},
+    ]  # fmt: skip
+    (path / "layer_2node_400mbit.txt").write_text(json.dumps({"results": rows}) + "\n")
+    return path
+
+
+def test_compare_shows_both_ratios_and_which_claims_hold_in_both(tmp_path):
+    a = _run_dir(tmp_path / "a", 440.0, 320.0)  # schemoe 1.38x, DeepSpeed 1.10x
+    b = _run_dir(tmp_path / "b", 380.0, 300.0)  # schemoe 1.27x, DeepSpeed 0.95x
+    text = regen.compare(a, b)
+    assert "1.38x / 1.27x" in text and "holds in both runs" in text
+    assert "- best schemoe faster than sequential r=1 (1.38x / 1.27x): holds in both" in text
+    assert "- DeepSpeed-MoE faster than sequential r=1 (1.10x / 0.95x): does NOT hold in both" in text  # fmt: skip
+    assert "a2a_2gbit" not in text  # only figures present in both runs
+    out = tmp_path / "cmp.md"
+    regen.run(_args(compare=[str(a), str(b)], out=str(out)))
+    assert out.read_text() == text
