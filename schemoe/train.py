@@ -43,7 +43,9 @@ from torch import nn
 from . import checkpoint, failures
 from ._cli_util import guard
 from ._dist import init_process_group, spawn
+from .automicro import choose_micro_chunks
 from .autotune import AutoTuner
+from .costmodel.step import StepShape
 from .devices import local_device
 from .gradsync import data_parallel
 from .layer import MoELayer
@@ -54,7 +56,7 @@ from .parallel import (
     ddp_ignore_experts,
     init_expert_parallel,
 )
-from .topology import launcher_local_rank
+from .topology import Topology, launcher_local_rank
 from .train_args import (
     add_arguments,
     check_args,
@@ -92,6 +94,23 @@ def _optimizer(model: nn.Module, a: argparse.Namespace) -> torch.optim.Optimizer
     )
 
 
+def _auto_micro(a: argparse.Namespace, world: int, ep_group, rank: int) -> dict:
+    """--micro-chunks auto: m from the stack's cost model (schemoe/automicro.py), the same on
+    every rank; sets a.micro_chunks and logs the choice with each candidate's prediction."""
+    topo = Topology.from_group(ep_group, a.ranks_per_node)
+    shape = StepShape(
+        batch=a.batch, seq_len=a.seq_len, model_dim=a.model_dim, hidden=a.hidden_dim,
+        layers=a.layers, heads=a.heads, moe_every=a.moe_every, experts=num_experts(a, world),
+        top_k=a.top_k, capacity_factor=a.capacity_factor or 1.0,
+    )  # fmt: skip
+    m, preds = choose_micro_chunks(shape, a.policy, a.algorithm, a.chunks, topo)
+    a.micro_chunks = m
+    if rank == 0:
+        shown = ", ".join(f"m={k}: {v:.3f} ms" for k, v in preds.items())
+        print(f"micro-chunks auto: m = {m} (predicted blocks' step: {shown})", flush=True)
+    return {"chosen": m, "predicted_ms": {str(k): v for k, v in preds.items()}}
+
+
 def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     """One rank's training run (torch.distributed initialised when world > 1); returns the
     summary that rank 0 prints as JSON. Resumes from --resume, saves to --save. On an error after
@@ -106,6 +125,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     ep = init_expert_parallel(a.ep_size or world)  # every rank: all EP and DP groups
+    auto_micro = _auto_micro(a, world, ep.ep_group, rank) if a.micro_chunks == "auto" else None
     torch.manual_seed(a.seed)  # same dense init on every rank; experts seed per expert
     data = load_corpus(a.corpus, a.corpus_bytes)
     check_corpus(a, data.numel())
@@ -292,6 +312,7 @@ def train(rank: int, world: int, a: argparse.Namespace) -> dict:
             k: getattr(a, k)
             for k in ("policy", "chunks", "micro_chunks", "algorithm", "compressor")
         },
+        "micro_chunks_auto": auto_micro,  # --micro-chunks auto: {"chosen", "predicted_ms"}
         "moe_layers": [m.running.summary() for m in moe],  # what runs ("auto": what it chose)
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,

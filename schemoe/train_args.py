@@ -111,6 +111,11 @@ def moe_config_from_args(a: argparse.Namespace, world: int | None = None) -> MoE
     )
 
 
+def micro_chunks_arg(text: str) -> int | str:
+    """--micro-chunks as typed: an int, or the text (check_args accepts "auto" only)."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def flag(name: str) -> str:
     """The command-line spelling of argument `name`."""
     return "--" + name.replace("_", "-")
@@ -128,7 +133,6 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
         ("layers", 1),
         ("heads", 1),
         ("moe_every", 1),
-        ("micro_chunks", 1),
         ("save_every", 0),
         ("eval_every", 0),
         ("eval_seqs", 0),
@@ -140,10 +144,17 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> None:
     ):
         if (v := getattr(a, n)) is not None and v < lo:
             raise ValueError(f"{flag(n)} must be >= {lo}, got {v}")
-    if a.batch % a.micro_chunks:
-        raise ValueError(f"--batch {a.batch} must be divisible by --micro-chunks {a.micro_chunks}")
-    if a.micro_chunks > 1 and a.policy in ("auto", "search"):
-        raise ValueError(f"--micro-chunks > 1 needs a fixed --policy, got {a.policy!r}")
+    if a.micro_chunks != "auto":
+        if not isinstance(a.micro_chunks, int) or a.micro_chunks < 1:
+            raise ValueError(f"--micro-chunks must be an int >= 1 or auto, got {a.micro_chunks!r}")
+        if a.batch % a.micro_chunks:
+            raise ValueError(
+                f"--batch {a.batch} must be divisible by --micro-chunks {a.micro_chunks}"
+            )
+    if (a.micro_chunks == "auto" or a.micro_chunks > 1) and a.policy in ("auto", "search"):
+        raise ValueError(
+            f"--micro-chunks {a.micro_chunks} needs a fixed --policy, got {a.policy!r}"
+        )
     for n, lo, hi, strict in (
         ("lr", 0.0, math.inf, True),
         ("min_lr_ratio", 0.0, 1.0, False),
@@ -300,8 +311,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--policy", default="schemoe",
       help=f"schedule policy: {', '.join(POLICIES.names())}, or auto (the cost model chooses)")  # fmt: skip
     m("--chunks", type=int, default=2, help="r, chunks per layer call")
-    m("--micro-chunks", type=int, default=1,
-      help="m: the batch cut into m micro-chunks pipelined through the blocks (1: off)")  # fmt: skip
+    m("--micro-chunks", type=micro_chunks_arg, default=1,
+      help="m: the batch cut into m micro-chunks pipelined through the blocks (1: off); auto: "
+           "the stack's cost model chooses m before the model is built")  # fmt: skip
     m("--budget", choices=("lossless", "fp16", "lossy"), default="lossless",
       help="auto: the compressors it may choose")  # fmt: skip
     m("--trials", type=int, default=5, help="auto: timed calls per shortlisted candidate")

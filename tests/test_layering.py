@@ -19,7 +19,7 @@ LAYERS = [
                "collectives", "compression", "_cli_util", "links", "timing"]),  # _cli_util: a leaf
     ("scheduling", ["scheduling"]),
     ("planning", ["costmodel"]),
-    ("layer", ["dispatcher", "region", "layer", "stack_runtime", "stack", "probe", "autotune", "parallel"]),
+    ("layer", ["dispatcher", "region", "layer", "stack_runtime", "stack", "probe", "autotune", "automicro", "parallel"]),
     ("training", ["gradsync", "lm", "train", "train_resume", "train_report", "train_args", "checkpoint_files", "_lifeline", "checkpoint", "hf", "failures", "testing", "_dist"]),
     ("tools", ["profiler", "bench", "testbed", "cli", "__main__"]),
 ]  # fmt: skip

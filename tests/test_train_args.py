@@ -46,14 +46,21 @@ CASES = {
     "experts not dividing ranks": (["--experts", "3"], "--experts 3 must be divisible by the 2"),
     "ranks-per-node": (["--ranks-per-node", "3"], "--ranks-per-node 3 must divide the 2 ranks"),
     "top-k above experts": (["--top-k", "9"], "top_k"),
-    "micro-chunks 0": (["--micro-chunks", "0"], "--micro-chunks must be >= 1, got 0"),
+    "micro-chunks 0": (
+        ["--micro-chunks", "0"],
+        "--micro-chunks must be an int >= 1 or auto, got 0",
+    ),
+    "micro-chunks x": (
+        ["--micro-chunks", "x"],
+        "--micro-chunks must be an int >= 1 or auto, got 'x'",
+    ),
     "micro-chunks not dividing batch": (
         ["--batch", "4", "--micro-chunks", "3"],
         "--batch 4 must be divisible by --micro-chunks 3",
     ),
     "micro-chunks with policy auto": (
         ["--micro-chunks", "2", "--batch", "4", "--policy", "auto"],
-        "--micro-chunks > 1 needs a fixed --policy, got 'auto'",
+        "--micro-chunks 2 needs a fixed --policy, got 'auto'",
     ),
     "unknown policy": (["--policy", "nope"], "unknown schedule policy 'nope'"),
     "unknown algorithm": (["--algorithm", "nope"], "unknown all-to-all algorithm 'nope'"),

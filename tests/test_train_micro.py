@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from schemoe import train as T
+from schemoe.train_args import check_args
 from train_cases import tiny
 
 # Dropless (default aux loss weight): the same arithmetic up to the order of floating-point sums.
@@ -26,3 +29,30 @@ def test_training_with_micro_chunks_follows_the_losses_of_one_micro_chunk(ranks)
     for a, b in zip(four["losses"], one["losses"]):
         assert math.isclose(a, b, rel_tol=1e-5), (four["losses"], one["losses"])
     assert math.isclose(four["eval_loss"], one["eval_loss"], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "x"])
+def test_micro_chunks_takes_auto_or_an_int_of_at_least_one(bad):
+    assert tiny("--micro-chunks", "auto").micro_chunks == "auto"
+    assert tiny("--micro-chunks", "2").micro_chunks == 2
+    check_args(tiny("--micro-chunks", "auto"))
+    want = repr(int(bad)) if bad != "x" else repr(bad)
+    with pytest.raises(ValueError, match=f"--micro-chunks must be an int >= 1 or auto, got {want}"):
+        check_args(tiny("--micro-chunks", bad))
+
+
+def test_micro_chunks_auto_needs_a_fixed_policy():
+    with pytest.raises(ValueError, match="--micro-chunks auto needs a fixed --policy, got 'auto'"):
+        check_args(tiny("--micro-chunks", "auto", "--policy", "auto"))
+
+
+def test_micro_chunks_auto_chooses_m_by_the_stack_model_the_same_on_every_rank(ranks):
+    # No profile on disk (the tests' empty HOME): a quick one is measured, as --policy auto does.
+    out = ranks(2).run(_run, ["--steps", "2", "--micro-chunks", "auto"])
+    for r in out:
+        auto = r["micro_chunks_auto"]
+        preds = {int(m): ms for m, ms in auto["predicted_ms"].items()}
+        assert set(preds) == {1, 2, 4}  # the candidates dividing --batch 4
+        assert auto["chosen"] == r["micro_chunks"] == min(preds, key=lambda m: (preds[m], m))
+        assert len(r["losses"]) == 2 and all(math.isfinite(v) for v in r["losses"])
+    assert out[0]["micro_chunks_auto"] == out[1]["micro_chunks_auto"]

@@ -199,15 +199,17 @@ def predict_step(
     grad_compress: str = "none",
     grad_algorithm: str = "flat",
     bucket_bytes: float = 1 << 20,
+    compressors: tuple[str, str] = ("none", "none"),
 ) -> StepPrediction:
-    """One training step of `shape` on `hw` (module docstring)."""
+    """One training step of `shape` on `hw` (module docstring); `compressors` are the MoE
+    all-to-alls' (dispatch, combine), as `prediction.predict` takes them."""
     if grad_sync not in ("ddp", "scheduled"):
         raise ValueError(f"grad_sync must be 'ddp' or 'scheduled', got {grad_sync!r}")
     ratio = wire_ratio(grad_compress)
     if POLICIES.get(policy).partition == Partition.PEERS and chunks > hw.world:
         raise ValueError(f"policy {policy!r} needs chunks <= {hw.world}, got {chunks}")
     events: list = []
-    layer = predict(hw, shape.layer(), policy, algorithm, ("none", "none"), chunks, events=events)
+    layer = predict(hw, shape.layer(), policy, algorithm, compressors, chunks, events=events)
     link_of_backward = sorted(
         (e.start, e.end)
         for e in events

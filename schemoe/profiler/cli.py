@@ -6,6 +6,7 @@
     schemoe testbed run --ranks-per-node 2 -- -m schemoe.cli profile
     schemoe simulate --preset paper-32gpu --layers 12 --tokens 4096 --model-dim 2048 \\
         --hidden-dim 2048 [--experts 32 --top-k 2 --capacity-factor 1.2] [--budget lossy] [--png F]
+    schemoe simulate --ctmoe [--preset paper-32gpu]     (simctmoe.py)
     schemoe validate BENCH.txt=PROFILE.json ... [--png sim_vs_measured.png]
 
 A profile is stored under the key of the topology and links it was measured under
@@ -42,7 +43,7 @@ from ..probe import measure
 from ..testbed.units import parse_rate
 from ..topology import Topology, launcher_local_rank
 from ..trace import gantt
-from . import simstep, validate
+from . import simctmoe, simstep, validate
 
 __all__ = ["register"]
 
@@ -195,6 +196,10 @@ def _simulate(args: argparse.Namespace) -> int:
         hw = preset(args.preset)
     if args.nodes or args.ranks_per_node:
         hw = hw.with_topology(args.nodes or hw.nodes, args.ranks_per_node or hw.ranks_per_node)
+    if args.ctmoe:
+        return simctmoe.run(args, hw)
+    if args.model_dim is None or args.hidden is None:
+        raise ValueError("simulate needs --model-dim and --hidden-dim (or --ctmoe)")
     if args.step:
         return simstep.run(args, hw)
     if args.tokens is None:
@@ -307,8 +312,9 @@ def register(subparsers) -> None:
         "--tokens", type=int, default=None, help="tokens per rank (B x L); not with --step"
     )
     s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
-    s.add_argument("--model-dim", type=int, required=True, help="model dim M")
-    s.add_argument("--hidden-dim", dest="hidden", type=int, required=True, help="expert hidden dim")
+    s.add_argument("--model-dim", type=int, default=None, help="model dim M (required)")
+    s.add_argument("--hidden-dim", dest="hidden", type=int, default=None,
+                   help="expert hidden dim (required)")  # fmt: skip
     s.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
     s.add_argument("--top-k", type=int, default=2, help="experts per token k")
     s.add_argument("--capacity-factor", type=float, default=1.0, help="f")
@@ -330,6 +336,8 @@ def register(subparsers) -> None:
     s.add_argument("--ablation", action="store_true", help="also the paper's ablation ladder")
     s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")
     simstep.add_arguments(s)
+    simctmoe.add_arguments(s)
+    s.record_explicit = True  # --ctmoe refuses the shape flags it does not use
     s.set_defaults(func=guard("schemoe simulate", _simulate))
 
     v = subparsers.add_parser("validate", help="simulated vs measured `schemoe bench layer` rows")
