@@ -72,6 +72,7 @@ LAYER = ("--policies", "sequential,tutel,schemoe,fastermoe")
 A2A_ALL = ("--algorithms", "naive,pairwise,pipe,hier2d,leader")
 SEPARATE = TestbedSpec("300mbit", intra_rate="100mbit", ranks_per_node=2, intra_link="separate")
 SHARED = TestbedSpec("300mbit", intra_rate="100mbit", ranks_per_node=2, intra_link="shared")
+M256 = ("--model-dim", "256", "--hidden-dim", "512")
 STEP = ("--grad-syncs", "ddp,scheduled", "--grad-compressors", "none,bf16", "--grad-algorithm", "hier")  # fmt: skip
 COMPRESSORS = ("none", "fp16", "bf16", "fp8", "int8", "zfp")
 AUTO_SHAPES = {1: (1024, 256, 1024, 8), 2: (2048, 256, 1024, 4), 3: (512, 512, 1024, 8), 4: (1024, 128, 512, 16)}  # fmt: skip
@@ -158,6 +159,17 @@ def _figures() -> list[Figure]:
                             "deepspeed", "--repeats", "7", "--trace", "{out}/step_trace_600mbit"),
                      "step_2node_600mbit_micro.txt"),),
                14, tables.step_micro, ("step_2node_600mbit_micro.txt",)),
+        _step_figure("step_600mbit_m256", "step_2node_600mbit_m256",
+                     "Whole steps at the gradient-sync issue's shape, M=256 H=512, 600 Mbit/s (README)",
+                     "600mbit",
+                     ("--policies", "schemoe", "--chunks", "4", *STEP, "--peer", "deepspeed",
+                      *M256, "--repeats", "5"), 4, validate=False),
+        Figure("step_600mbit_m256_micro", "Whole steps with micro-chunks, M=256 H=512, 600 Mbit/s (README)",
+               TestbedSpec("600mbit"),
+               (Step(_bench("step", "--policies", "sequential,schemoe", "--chunks", "1",
+                            "--micro-chunks", "1,2,4", *STEP, *M256, "--repeats", "5"),
+                     "step_2node_600mbit_m256_micro.txt"),),
+               6, tables.step_micro, ("step_2node_600mbit_m256_micro.txt",)),
         Figure("train_auto_100mbit", "Training on the testbed, auto vs sequential (README)",
                TestbedSpec("100mbit"),
                (Step(_on_testbed(*CLI, "profile", "--ranks-per-node", "2", "--model-dim", "256",
