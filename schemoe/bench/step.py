@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="comma list of none, bf16, fp16")  # fmt: skip
     a("--grad-algorithm", choices=("flat", "hier"), default="flat", help="scheduled sync")
     a("--bucket-mb", type=float, default=1.0, help="DDP bucket MiB for every row")
+    a("--grad-windows", dest="grad_window", type=lambda s: [int(v) for v in _csv(s)], default=[1],
+      help="comma list of buckets in flight at once (scheduled rows; DDP rows: 1)")  # fmt: skip
     a("--micro-chunks", type=lambda s: [int(v) for v in _csv(s)], default=[1],
       help="comma list of m, micro-chunks pipelined through the blocks")  # fmt: skip
     a("--peer", type=_csv, default=[], help="deepspeed: DeepSpeed-MoE's layer, same model")
@@ -96,6 +98,8 @@ def validate(args: argparse.Namespace) -> None:
     for s in args.grad_compress:
         if s not in COMPRESS:
             raise ValueError(f"--grad-compressors must list {sorted(COMPRESS)}, got {s!r}")
+    if any(w < 1 for w in args.grad_window):
+        raise ValueError(f"--grad-windows must be >= 1, got {args.grad_window}")
     if any(r < 1 for r in args.chunks):
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
     if any(m < 1 or args.batch % m for m in args.micro_chunks):
@@ -237,9 +241,13 @@ def bench(args: argparse.Namespace, env) -> None:
     targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     cands, rows, first, cores = {}, [], None, {}
     combos = itertools.product(
-        args.policies, args.chunks, args.micro_chunks, args.grad_sync, args.grad_compress
-    )
-    for pol, r, mc, sync, comp in combos:
+        args.policies, args.chunks, args.micro_chunks, args.grad_sync, args.grad_compress,
+        args.grad_window,
+    )  # fmt: skip
+    for pol, r, mc, sync, comp, win in combos:
+        if sync == "ddp" and win != args.grad_window[0]:
+            continue  # DDP's buckets have no window: one row
+        win = win if sync == "scheduled" else 1
         core = _gpt(args, _moe_config(args, rpn, pol, r), micro=mc)
         if pol in TUNED:
             AutoTuner(core)
@@ -249,14 +257,16 @@ def bench(args: argparse.Namespace, env) -> None:
             compress=comp,
             algorithm=args.grad_algorithm if sync == "scheduled" else "flat",
             bucket_mb=args.bucket_mb,
+            window=win,
             ranks_per_node=rpn,
         )
         first = first or core
         name = f"{pol}/r{r}/{sync}/{comp}" if mc == 1 else f"{pol}/r{r}/m{mc}/{sync}/{comp}"
+        name += f"/w{win}" if win != 1 else ""
         cands[name] = _step(model, core, _optimizer(core), tokens, targets, world)
         cores[name] = core
         rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
-                     "micro_chunks": mc, "_n": name})  # fmt: skip
+                     "micro_chunks": mc, "grad_window": win, "_n": name})  # fmt: skip
     for peer in args.peer:
         core = _gpt(args, _moe_config(args, rpn))
         for blk in core.blocks:
@@ -267,7 +277,7 @@ def bench(args: argparse.Namespace, env) -> None:
         model, _ = data_parallel(core, bucket_mb=args.bucket_mb)
         cands[peer] = _step(model, core, _optimizer(core), tokens, targets, world)
         rows.append({"policy": peer, "chunks": 1, "grad_sync": "ddp", "grad_compress": "none",
-                     "micro_chunks": 1, "_n": peer})  # fmt: skip
+                     "micro_chunks": 1, "grad_window": 1, "_n": peer})  # fmt: skip
     # The parts. new_group is collective: every rank creates every one-rank group.
     solo = [dist.new_group([q]) for q in range(world)][rank]
     single = _gpt(args, _moe_config(args, 1), group=solo)
@@ -316,8 +326,8 @@ def bench(args: argparse.Namespace, env) -> None:
         "world_size": world,
         "ranks_per_node": rpn,
     }
-    cols = ["policy", "chunks", "micro_chunks", "grad_sync", "grad_compress", "median_ms", "p10_ms", "p90_ms",
-            "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
+    cols = ["policy", "chunks", "micro_chunks", "grad_sync", "grad_compress", "grad_window", "median_ms",
+            "p10_ms", "p90_ms", "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
     timer.report(head, rows, cols, summary)
 
 

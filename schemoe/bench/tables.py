@@ -231,7 +231,10 @@ def _step_label(r: dict) -> str:
     if r["policy"] == "deepspeed":
         return f"DeepSpeed-MoE + DDP, m={r.get('micro_chunks', 1)}"
     pay = "bf16" if r["grad_compress"] == "bf16" else "fp32"
-    return f"{r['policy']} r={r['chunks']} m={r.get('micro_chunks', 1)}, {r['grad_sync']}, {pay}"
+    win = f", window {r['grad_window']}" if r.get("grad_window", 1) != 1 else ""
+    return (
+        f"{r['policy']} r={r['chunks']} m={r.get('micro_chunks', 1)}, {r['grad_sync']}, {pay}{win}"
+    )
 
 
 def step(texts: Sequence[str]) -> Table:
