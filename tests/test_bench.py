@@ -164,6 +164,26 @@ def test_bench_step_runs_a_row_per_micro_chunk_count(capfd):
     assert all(r["median_ms"] > 0 for r in rows)
 
 
+def test_bench_step_runs_a_row_per_window_of_the_scheduled_sync_only(capfd):
+    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
+                   "--layers", "2", "--seq-len", "16", "--batch", "2", "--heads", "2",
+                   "--grad-syncs", "ddp,scheduled", "--grad-windows", "1,3",
+                   "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
+    assert args.func(args) == 0
+    rows = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
+    assert [(r["grad_sync"], r["grad_window"]) for r in rows] == [
+        ("ddp", 1),
+        ("scheduled", 1),
+        ("scheduled", 3),
+    ]
+
+
+def test_bench_step_refuses_a_window_below_one(capfd):
+    args = _parse(["bench", "step", "--grad-windows", "1,0"])
+    assert args.func(args) == 2
+    assert "--grad-windows must be >= 1, got [1, 0]" in capfd.readouterr().err
+
+
 def test_bench_step_refuses_micro_chunks_that_do_not_divide_the_batch(capfd):
     args = _parse(["bench", "step", "--batch", "4", "--micro-chunks", "1,3"])
     assert args.func(args) == 2
