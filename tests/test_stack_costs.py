@@ -9,8 +9,13 @@ import pytest
 
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import CostModel
-from schemoe.costmodel.stack import choose_micro, predict_stack
-from schemoe.costmodel.step import StepShape, block_forward
+from schemoe.costmodel.stack import (
+    choose_micro,
+    predict_stack,
+    predict_stack_step,
+    stage_gradient_bytes,
+)
+from schemoe.costmodel.step import StepShape, allreduce_time, block_forward, gradient_bytes
 from schemoe.scheduling import Direction, TaskGraph, make_schedule, simulator
 
 SHAPE = StepShape(batch=8, seq_len=64, model_dim=128, hidden=256, layers=4)
@@ -50,6 +55,25 @@ def test_gradient_buckets_join_the_backward_stack_on_the_link():
     synced = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2, grad_sync=True)
     assert {"AR.0", "AR.1"} <= {e.task for e in synced.events if e.resource == "net"}
     assert synced.forward_s == plain.forward_s and synced.backward_s > plain.backward_s
+
+
+def test_a_scheduled_sync_prices_the_stages_gradients_in_the_stack_and_the_rest_after_it():
+    """The scheduled sync gets each block's gradients while the stack's backward runs
+    (GradSync.ready); DDP's buckets all wait for its end."""
+    hw = preset("local")
+    stages = stage_gradient_bytes(SHAPE)
+    total, rest = gradient_bytes(SHAPE), gradient_bytes(SHAPE) - sum(stages)
+    assert len(stages) == 2 and min(stages) > 0 and rest > 0  # embedding, positions, final norm
+    kw = {"micro": 2, "bucket_bytes": 1e12}  # one bucket after the stack
+    ddp = predict_stack_step(hw, SHAPE, "schemoe", "naive", 2, grad_sync="ddp", **kw)
+    sched = predict_stack_step(hw, SHAPE, "schemoe", "naive", 2, grad_sync="scheduled", **kw)
+    plain = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2)
+    inside = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2, grad_sync=True)
+    # The same head and optimizer around: DDP = stack + every byte after; scheduled = the stack
+    # with its stages' buckets inside + only the rest after.
+    head = ddp.backward_s - plain.backward_s - allreduce_time(hw, total)
+    assert sched.backward_s == pytest.approx(head + inside.backward_s + allreduce_time(hw, rest))
+    assert [e.task for e in inside.events if e.task.startswith("AR")] == ["AR.0", "AR.1"]
 
 
 def test_choose_micro_picks_the_fastest_predicted_micro_chunk_count():

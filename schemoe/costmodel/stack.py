@@ -15,8 +15,9 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
   * PO: half of `outside`, plus any dense blocks after the last MoE block.
   * with `grad_sync=True`, one gradient bucket per stage ("AR" tasks on the last link, after
     the stage's AT backward of every micro-chunk): its dense weights' all-reduce
-    (`step.allreduce_time` of 4 bytes per weight), first-come first-served with the all-to-alls
-    (DDP's rule; the scheduled sync's idle-time priority is not modelled here).
+    (`step.allreduce_time` of 4 bytes per weight x `grad_ratio`, by `grad_algorithm`), what the
+    scheduled sync sends as soon as a block's gradients are final (gradsync.GradSync.ready);
+    first-come first-served with the all-to-alls (its idle-time priority is not modelled).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
 them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
 Python overhead per task (taken as the executor's per-task overhead), compute slowing down when
@@ -51,7 +52,13 @@ from .step import (
     wire_ratio,
 )
 
-__all__ = ["StackPrediction", "choose_micro", "predict_stack", "predict_stack_step"]
+__all__ = [
+    "StackPrediction",
+    "choose_micro",
+    "predict_stack",
+    "predict_stack_step",
+    "stage_gradient_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,20 @@ def _stage_blocks(shape: StepShape) -> tuple[list[list[int]], list[int]]:
     return stages, dense
 
 
+def stage_gradient_bytes(shape: StepShape) -> list[float]:
+    """fp32 bytes of each stage's dense weights (its blocks', the last stage with the dense
+    blocks after it): what the stack hands the scheduled sync per block."""
+    before, after = _stage_blocks(shape)
+    moe_blocks = [i for i in range(shape.layers) if shape.is_moe(i)]
+    grads = [
+        4.0 * sum(shape.block_dense_params(i) for i in (*b, moe))
+        for b, moe in zip(before, moe_blocks)
+    ]
+    if grads:
+        grads[-1] += 4.0 * sum(shape.block_dense_params(i) for i in after)
+    return grads
+
+
 def predict_stack(
     hw: Hardware,
     shape: StepShape,
@@ -87,6 +108,8 @@ def predict_stack(
     micro: int = 1,
     stack_policy: str = "wavefront",
     grad_sync: bool = False,
+    grad_ratio: float = 1.0,
+    grad_algorithm: str = "flat",
 ) -> StackPrediction:
     """The blocks' forward and backward of `shape` at `micro` micro-chunks (module docstring)."""
     if micro < 1 or shape.batch % micro:
@@ -102,12 +125,7 @@ def predict_stack(
     at = [dense * len(b) + block_forward(hw, part, True) + cm.outside() / 2 for b in before]
     po = [cm.outside() / 2] * len(before)
     po[-1] += dense * len(after)
-    moe_blocks = [i for i in range(shape.layers) if shape.is_moe(i)]
-    grads = [  # bytes of each stage's dense weights (its blocks'), fp32
-        4.0 * sum(shape.block_dense_params(i) for i in (*b, moe))
-        for b, moe in zip(before, moe_blocks)
-    ]
-    grads[-1] += 4.0 * sum(shape.block_dense_params(i) for i in after)
+    grads = stage_gradient_bytes(shape)
     out, events, t0 = {}, [], 0.0
     for direction in Direction:
         twice = 1.0 if direction == Direction.FORWARD else 2.0
@@ -118,7 +136,7 @@ def predict_stack(
             buckets = tuple(reversed(range(len(before))))  # the last stage's bucket first
         graph = StackGraph((chunks,) * len(before), micro, cm.links, direction, buckets)
         tc = cm.task_costs(region)
-        ar = [allreduce_time(hw, grads[b]) for b in buckets]
+        ar = [allreduce_time(hw, grads[b] * grad_ratio, grad_algorithm) for b in buckets]
         costs = stack_task_costs(
             graph, [tc.durations] * len(before), at=[twice * a for a in at], po=po, ar=ar
         )
@@ -171,19 +189,26 @@ def predict_stack_step(
     *,
     micro: int,
     stack_policy: str = "wavefront",
+    grad_sync: str = "ddp",
     grad_compress: str = "none",
     grad_algorithm: str = "flat",
     bucket_bytes: float = 1 << 20,
 ) -> StepPrediction:
     """A whole training step with the blocks run as a stack of `micro` micro-chunks: the head
-    and optimizer as `step.predict_step` prices them, the blocks by `predict_stack`, and every
-    dense-gradient bucket after the stack's backward (the stack is one autograd Function: DDP
-    sees all its gradients when it returns, under either gradient sync), back to back."""
-    st = predict_stack(hw, shape, policy, algorithm, chunks, micro=micro, stack_policy=stack_policy)
+    and optimizer as `step.predict_step` prices them, the blocks by `predict_stack`. Under DDP
+    every dense-gradient bucket goes after the stack's backward (the stack is one autograd
+    Function: DDP sees all its gradients when it returns); under the scheduled sync each stage's
+    gradients go during it (AR tasks in the stack) and only the rest (embedding, head) after."""
     ratio = wire_ratio(grad_compress)
+    early = grad_sync == "scheduled"
+    st = predict_stack(
+        hw, shape, policy, algorithm, chunks, micro=micro, stack_policy=stack_policy,
+        grad_sync=early, grad_ratio=ratio, grad_algorithm=grad_algorithm,
+    )  # fmt: skip
+    after = gradient_bytes(shape) - (sum(stage_gradient_bytes(shape)) if early else 0.0)
     buckets = [
         allreduce_time(hw, nbytes * ratio, grad_algorithm)
-        for _, nbytes in _buckets([gradient_bytes(shape)], bucket_bytes)
+        for _, nbytes in _buckets([after], bucket_bytes)
     ]
     head = head_time(hw, shape)
     link = sum(e.end - e.start for e in st.events if e.resource != "compute")

@@ -75,7 +75,8 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
         for row, _ in [rp for rp in preds if rp[0]["micro_chunks"] == 1]:
             pred = predict_stack_step(
                 hw, shape, row["policy"], args.algorithm, row["chunks"], micro=m,
-                grad_compress=row["grad_compress"], bucket_bytes=args.bucket_mb * 2**20,
+                grad_sync=row["grad_sync"], grad_compress=row["grad_compress"],
+                bucket_bytes=args.bucket_mb * 2**20,
                 grad_algorithm=args.grad_algorithm if row["grad_sync"] == "scheduled" else "flat",
             )  # fmt: skip
             preds.append(({**row, "micro_chunks": m}, pred))

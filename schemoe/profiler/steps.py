@@ -46,8 +46,8 @@ def point(cfg: dict, row: dict, hw: Hardware) -> dict:
     m = int(row.get("micro_chunks", 1))
     if m > 1:
         pred = predict_stack_step(
-            hw, shape, policy, algorithm, r, micro=m, grad_compress=row["grad_compress"],
-            grad_algorithm=grad_algorithm, bucket_bytes=bucket,
+            hw, shape, policy, algorithm, r, micro=m, grad_sync=row["grad_sync"],
+            grad_compress=row["grad_compress"], grad_algorithm=grad_algorithm, bucket_bytes=bucket,
         )  # fmt: skip
     else:
         pred = predict_step(
