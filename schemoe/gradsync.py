@@ -14,7 +14,8 @@ The all-reduces run on their own communicator, never behind the all-to-alls in o
 A micro-chunk stack (schemoe/stack.py) is one autograd Function, so DDP sees its weights'
 gradients only when its whole backward returns. The sync does not wait for that: the stack hands
 each block's dense gradients over as soon as they are final (`ready`, via the layers'
-`grad_ready`), and they are all-reduced then, in the stack's idle network time. When DDP later
+`grad_ready`), and they are all-reduced then, in the stack's idle network time, blocks together
+until they fill one of DDP's buckets (the rest with DDP's first bucket). When DDP later
 calls the hook for a bucket, each parameter whose gradient is bit for bit what was sent early
 takes the early result; the others (a weight also used outside the stack, whose gradient grew
 afterwards) are all-reduced from the bucket as usual. `early_params` / `bucket_params` count
@@ -141,6 +142,8 @@ class GradSync:
             id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore
         }
         self._early: dict[int, tuple[_Early, int, int]] = {}  # id(param) -> (entry, offset, numel)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its local gradient)
+        self.early_bytes = ddp.bucket_bytes_cap  # an early transfer's size, at least
         self.early_params = self.bucket_params = 0  # gradients synced early / in DDP's buckets
         self.early_posts = 0  # early all-reduces posted in this backward (trace names AR.e<k>)
         for m in ddp.module.modules():
@@ -182,15 +185,25 @@ class GradSync:
         a parameter that gets more gradient after the stack costs bytes, never correctness."""
         if not self.ddp.require_backward_grad_sync:  # inside no_sync(): nothing is synced
             return
-        pairs = [(p, g) for p, g in zip(params, grads) if id(p) in self._managed]
-        if not pairs:
+        for p, g in zip(params, grads):
+            if id(p) in self._managed:
+                # What autograd will leave in p.grad: the stack's sum added to what is there.
+                self._pending.append((p, (g if p.grad is None else p.grad + g).reshape(-1)))
+        # Blocks go out together until they fill a DDP bucket (each all-reduce pays its
+        # latency once); what is left goes with the first bucket DDP hands over.
+        if sum(t.numel() * t.element_size() for _, t in self._pending) >= self.early_bytes:
+            self.post_pending()
+
+    def post_pending(self) -> None:
+        """All-reduce the gradients handed over and not yet sent, as one early transfer."""
+        if not self._pending:
             return
-        # The gradient autograd will leave in p.grad: the stack's sum, added to what is there.
-        local = torch.cat([(g if p.grad is None else p.grad + g).reshape(-1) for p, g in pairs])
+        local = torch.cat([t for _, t in self._pending])
         entry, off = _Early(local), 0
-        for p, _ in pairs:
-            self._early[id(p)] = (entry, off, p.numel())
-            off += p.numel()
+        for p, t in self._pending:
+            self._early[id(p)] = (entry, off, t.numel())
+            off += t.numel()
+        self._pending = []
         self.early_posts += 1
         self.post(self.payload(local, keep=True), f"AR.e{self.early_posts}", entry.finish)
 
@@ -231,6 +244,7 @@ def _split(sync: GradSync, bucket) -> tuple[list, list]:
 
 
 def _hook(sync: GradSync, bucket):  # DDP checks real annotations: bucket is a dist.GradBucket
+    sync.post_pending()  # the stack has returned: its last blocks go now
     buf, fut = bucket.buffer(), torch.futures.Future()
     early, rest = _split(sync, bucket)
     sync.early_params += len(early)

@@ -131,3 +131,15 @@ def test_compare_shows_both_ratios_and_which_claims_hold_in_both(tmp_path):
     out = tmp_path / "cmp.md"
     regen.run(_args(compare=[str(a), str(b)], out=str(out)))
     assert out.read_text() == text
+
+
+def test_compare_marks_rows_one_run_lacks_and_keeps_unlike_tables_apart():
+    """The committed first and second runs of the auto figures (auto chose another configuration
+    on shape 1) and of the 10 Gbit/s all-to-alls (the older output has no intra/inter parts)."""
+    root = Path(__file__).resolve().parent.parent / "docs" / "results"
+    text = regen.compare(root, root / "report_2026-12-03_partial")
+    shape1 = text.split("## auto_noprofile_shape1")[1].split("## ")[0]
+    assert "| 1 | schemoe r=4 | 424.4 |" in shape1 and "| 2 | fastermoe r=4 | 374.0 |" in shape1
+    assert " /  |" not in shape1  # no cell merged with a missing one
+    a2a = text.split("## a2a_10gbit")[1].split("## ")[0]
+    assert "run 1:" in a2a and "run 2:" in a2a

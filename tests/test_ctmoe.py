@@ -23,7 +23,7 @@ def test_ctmoe_prints_a_row_per_layer_count_with_every_policy_next_to_the_paper(
         table = next(ln for ln in lines if ln.split()[:1] == [str(n)])  # the printed row
         paper = PAPER_MS[n]
         assert f"{paper['tutel']}/{paper['fastermoe']}/{paper['schemoe']}" in table
-        for pol in ("sequential", "tutel", "schemoe", "stack"):
+        for pol in ("sequential", "tutel", "schemoe", "stack", "stack_scheduled"):
             assert row[pol]["ms"] > 0 and f"{row[pol]['ms']:.1f}" in table, (n, pol)
         # tutel's best r includes r = 1 (= sequential); the stack's best m includes m = 1
         assert row["tutel"]["ms"] <= row["sequential"]["ms"]
@@ -35,7 +35,7 @@ def test_ctmoe_prints_a_row_per_layer_count_with_every_policy_next_to_the_paper(
         assert row["ratio_paper"] == round(paper["schemoe"] / paper["tutel"], 3)
         assert row["ratio_predicted"] == round(row["schemoe"]["ms"] / row["tutel"]["ms"], 3)
     # deeper models take longer under every policy
-    for pol in ("sequential", "tutel", "schemoe", "schemoe_shipped", "stack"):
+    for pol in ("sequential", "tutel", "schemoe", "schemoe_shipped", "stack", "stack_scheduled"):
         ms = [r[pol]["ms"] for r in rows]
         assert ms == sorted(ms), pol
 

@@ -11,11 +11,18 @@ from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import CostModel
 from schemoe.costmodel.stack import (
     choose_micro,
+    early_groups,
     predict_stack,
     predict_stack_step,
     stage_gradient_bytes,
 )
-from schemoe.costmodel.step import StepShape, allreduce_time, block_forward, gradient_bytes
+from schemoe.costmodel.step import (
+    StepShape,
+    _buckets,
+    allreduce_time,
+    block_forward,
+    gradient_bytes,
+)
 from schemoe.scheduling import Direction, TaskGraph, make_schedule, simulator
 
 SHAPE = StepShape(batch=8, seq_len=64, model_dim=128, hidden=256, layers=4)
@@ -64,16 +71,27 @@ def test_a_scheduled_sync_prices_the_stages_gradients_in_the_stack_and_the_rest_
     stages = stage_gradient_bytes(SHAPE)
     total, rest = gradient_bytes(SHAPE), gradient_bytes(SHAPE) - sum(stages)
     assert len(stages) == 2 and min(stages) > 0 and rest > 0  # embedding, positions, final norm
-    kw = {"micro": 2, "bucket_bytes": 1e12}  # one bucket after the stack
+    cap = min(stages)  # every stage its own early transfer
+    kw = {"micro": 2, "bucket_bytes": cap}
     ddp = predict_stack_step(hw, SHAPE, "schemoe", "naive", 2, grad_sync="ddp", **kw)
     sched = predict_stack_step(hw, SHAPE, "schemoe", "naive", 2, grad_sync="scheduled", **kw)
     plain = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2)
     inside = predict_stack(hw, SHAPE, "schemoe", "naive", 2, micro=2, grad_sync=True)
+
+    def after(nbytes: float) -> float:  # DDP-style buckets of `cap` after the stack
+        return sum(allreduce_time(hw, n) for _, n in _buckets([nbytes], cap))
+
     # The same head and optimizer around: DDP = stack + every byte after; scheduled = the stack
-    # with its stages' buckets inside + only the rest after.
-    head = ddp.backward_s - plain.backward_s - allreduce_time(hw, total)
-    assert sched.backward_s == pytest.approx(head + inside.backward_s + allreduce_time(hw, rest))
+    # with its stages' transfers inside + only the rest after.
+    head = ddp.backward_s - plain.backward_s - after(total)
+    assert sched.backward_s == pytest.approx(head + inside.backward_s + after(rest))
     assert [e.task for e in inside.events if e.task.startswith("AR")] == ["AR.0", "AR.1"]
+
+
+def test_early_groups_gather_stages_last_first_until_a_bucket_is_full():
+    assert early_groups([3.0, 1.0, 2.0], 2.5) == ([(1, 3.0), (0, 3.0)], 0.0)
+    assert early_groups([3.0, 1.0, 2.0], 10.0) == ([], 6.0)  # all left for after the stack
+    assert early_groups([3.0, 1.0, 2.0], 0.0) == ([(2, 2.0), (1, 1.0), (0, 3.0)], 0.0)
 
 
 def test_choose_micro_picks_the_fastest_predicted_micro_chunk_count():

@@ -149,7 +149,10 @@ def compare(dir1: Path, dir2: Path) -> str:
     """Both runs' tables, cell by cell ("a / b" where they differ), and each claim's verdict."""
     lines = [
         f"# schemoe bench report: {dir1} vs {dir2}\n",
-        "Cells show run 1 / run 2 where they differ. Rule: a claim stands only where it holds in both runs.\n",
+        (
+            "Cells show run 1 / run 2 where they differ; `run` says which runs have the row. "
+            "Rule: a claim stands only where it holds in both runs.\n"
+        ),
     ]
     for f in FIGURES:
         if not all((d / n).exists() for d in (dir1, dir2) for n in f.outputs):
@@ -159,13 +162,19 @@ def compare(dir1: Path, dir2: Path) -> str:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             lines.append(f"## {f.name}\n\nno table in one of the runs: {type(e).__name__}: {e}\n")
             continue
-        rows2 = {r[0]: r for r in t2.rows}
-        rows = []
-        for r in t1.rows:
-            o = rows2.get(r[0], [""] * len(r))
-            rows.append([a if a == b else f"{a} / {b}" for a, b in zip(r, o)])
-        rows += [r for r in t2.rows if r[0] not in {x[0] for x in t1.rows}]
-        lines += [f"## {f.name}: {f.title}\n", Table(t1.columns, rows).markdown(), ""]
+        lines.append(f"## {f.name}: {f.title}\n")
+        if list(t1.columns) != list(t2.columns):  # not cell for cell: one after the other
+            lines += ["run 1:\n", t1.markdown(), "\nrun 2:\n", t2.markdown(), ""]
+        else:  # rows matched by their first cell; a row only one run has says which
+            rows2 = {r[0]: r for r in t2.rows}
+            rows = []
+            for r in t1.rows:
+                o = rows2.get(r[0])
+                merged = [a if a == b else f"{a} / {b}" for a, b in zip(r, o)] if o else r
+                rows.append(["1, 2" if o else "1", *merged])
+            first = {r[0] for r in t1.rows}
+            rows += [["2", *r] for r in t2.rows if r[0] not in first]
+            lines += [Table(["run", *t1.columns], rows).markdown(), ""]
         c2 = {c.text: c for c in t2.claims}
         for c in t1.claims:
             o = c2.get(c.text)

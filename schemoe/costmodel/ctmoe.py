@@ -20,7 +20,8 @@ cluster (simulated)"):
 ScheMoE is priced twice: the policy alone (uncompressed, plain all-to-all: Theorem 1 makes it
 Tutel's order) and as the paper ships it (Pipe-A2A, ZFP at 4x). Every row is priced by the step model (step.py: blocks, head, AdamW, the dense gradients'
 all-reduce in DDP's 25 MiB buckets posted as DDP posts them); the stack (stack.py) at its best
-(region policy, r, m), its buckets after its backward. PAPER.md does not say whether the paper's
+(region policy, r, m), under DDP its buckets after its backward, under the scheduled sync
+(gradsync.py) each block's gradients all-reduced inside it (lossless, flat). PAPER.md does not say whether the paper's
 step includes the head, the optimizer or the all-reduce; `fixed_ms` gives their share.
 """
 
@@ -101,18 +102,19 @@ def predict_ctmoe(
     for name, pol, alg, comp in SYSTEMS:
         r = min(chunks, key=lambda c, p=pol, a=alg, z=comp: (_step(hw, shape, p, c, a, z), c))
         row[name] = {"chunks": r, "ms": _ms(_step(hw, shape, pol, r, alg, comp))}
-    stacks = {
-        (pol, r, m): predict_stack_step(
-            hw, shape, pol, "naive", r, micro=m, bucket_bytes=BUCKET_BYTES
-        ).step_s
-        for pol in REGION_POLICIES
-        for r in (chunks if pol != "sequential" else (1,))
-        for m in micro
-        if shape.batch % m == 0
-    }
-    pol, r, m = min(stacks, key=lambda k: (stacks[k], k[2]))
-    row["stack"] = {"policy": pol, "chunks": r, "micro": m, "ms": _ms(stacks[pol, r, m]),
-                    "m1_ms": _ms(stacks[pol, r, 1])}  # fmt: skip
+    for name, sync in (("stack", "ddp"), ("stack_scheduled", "scheduled")):
+        stacks = {
+            (pol, r, m): predict_stack_step(
+                hw, shape, pol, "naive", r, micro=m, grad_sync=sync, bucket_bytes=BUCKET_BYTES
+            ).step_s
+            for pol in REGION_POLICIES
+            for r in (chunks if pol != "sequential" else (1,))
+            for m in micro
+            if shape.batch % m == 0
+        }
+        pol, r, m = min(stacks, key=lambda k: (stacks[k], k[2]))
+        row[name] = {"policy": pol, "chunks": r, "micro": m, "ms": _ms(stacks[pol, r, m]),
+                     "m1_ms": _ms(stacks[pol, r, 1])}  # fmt: skip
     buckets = sum(allreduce_time(hw, b) for _, b in _buckets([gradient_bytes(shape)], BUCKET_BYTES))
     row["fixed_ms"] = {
         "head": _ms(3 * head_time(hw, shape)),

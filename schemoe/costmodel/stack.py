@@ -16,7 +16,8 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
   * with `grad_sync=True`, one gradient bucket per stage ("AR" tasks on the last link, after
     the stage's AT backward of every micro-chunk): its dense weights' all-reduce
     (`step.allreduce_time` of 4 bytes per weight x `grad_ratio`, by `grad_algorithm`), what the
-    scheduled sync sends as soon as a block's gradients are final (gradsync.GradSync.ready);
+    scheduled sync sends as soon as a block's gradients are final (gradsync.GradSync.ready),
+    stages together until `grad_group_bytes` (`early_groups`; 0: every stage alone);
     first-come first-served with the all-to-alls (its idle-time priority is not modelled).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
 them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
@@ -55,6 +56,7 @@ from .step import (
 __all__ = [
     "StackPrediction",
     "choose_micro",
+    "early_groups",
     "predict_stack",
     "predict_stack_step",
     "stage_gradient_bytes",
@@ -98,6 +100,19 @@ def stage_gradient_bytes(shape: StepShape) -> list[float]:
     return grads
 
 
+def early_groups(stage_bytes: list[float], group_bytes: float) -> tuple[list, float]:
+    """How the scheduled sync sends the stages' gradients (gradsync.GradSync.ready): in backward
+    order (last stage first), stages together until they reach `group_bytes`; [(the stage
+    that completes the group, its bytes)] and the bytes left over, which go after the stack."""
+    groups, acc = [], 0.0
+    for b in reversed(range(len(stage_bytes))):
+        acc += stage_bytes[b]
+        if acc >= group_bytes:
+            groups.append((b, acc))
+            acc = 0.0
+    return groups, acc
+
+
 def predict_stack(
     hw: Hardware,
     shape: StepShape,
@@ -110,6 +125,7 @@ def predict_stack(
     grad_sync: bool = False,
     grad_ratio: float = 1.0,
     grad_algorithm: str = "flat",
+    grad_group_bytes: float = 0.0,
 ) -> StackPrediction:
     """The blocks' forward and backward of `shape` at `micro` micro-chunks (module docstring)."""
     if micro < 1 or shape.batch % micro:
@@ -125,18 +141,17 @@ def predict_stack(
     at = [dense * len(b) + block_forward(hw, part, True) + cm.outside() / 2 for b in before]
     po = [cm.outside() / 2] * len(before)
     po[-1] += dense * len(after)
-    grads = stage_gradient_bytes(shape)
+    groups, _ = early_groups(stage_gradient_bytes(shape), grad_group_bytes)
     out, events, t0 = {}, [], 0.0
     for direction in Direction:
         twice = 1.0 if direction == Direction.FORWARD else 2.0
         region = TaskGraph(chunks, cm.links, direction, partition)
         order = list(make_schedule(policy, region, cm).order["compute"])
-        buckets = ()
-        if grad_sync and direction == Direction.BACKWARD:
-            buckets = tuple(reversed(range(len(before))))  # the last stage's bucket first
+        sent = groups if grad_sync and direction == Direction.BACKWARD else []
+        buckets = tuple(b for b, _ in sent)  # the last stage's first
         graph = StackGraph((chunks,) * len(before), micro, cm.links, direction, buckets)
         tc = cm.task_costs(region)
-        ar = [allreduce_time(hw, grads[b] * grad_ratio, grad_algorithm) for b in buckets]
+        ar = [allreduce_time(hw, n * grad_ratio, grad_algorithm) for _, n in sent]
         costs = stack_task_costs(
             graph, [tc.durations] * len(before), at=[twice * a for a in at], po=po, ar=ar
         )
@@ -204,8 +219,10 @@ def predict_stack_step(
     st = predict_stack(
         hw, shape, policy, algorithm, chunks, micro=micro, stack_policy=stack_policy,
         grad_sync=early, grad_ratio=ratio, grad_algorithm=grad_algorithm,
+        grad_group_bytes=bucket_bytes,
     )  # fmt: skip
-    after = gradient_bytes(shape) - (sum(stage_gradient_bytes(shape)) if early else 0.0)
+    sent = sum(n for _, n in early_groups(stage_gradient_bytes(shape), bucket_bytes)[0])
+    after = gradient_bytes(shape) - (sent if early else 0.0)
     buckets = [
         allreduce_time(hw, nbytes * ratio, grad_algorithm)
         for _, nbytes in _buckets([after], bucket_bytes)

@@ -57,17 +57,20 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
     print(
         f"{'layers':>6} {'paper T/F/S ms':>16} {'sequential':>10} {'tutel':>15} {'schemoe':>15} "
         f"{'schemoe+pipe+zfp':>17} {'wavefront stack (region r m)':>30} {'stack m=1':>9} "
+        f"{'stack, scheduled sync':>30} "
         f"{'S/T paper':>9} {'S/T pred':>8} {'S+zfp/T':>8}"
     )
     for row in rows:
         p, st = row["paper_ms"], row["stack"]
         paper = f"{p['tutel']}/{p['fastermoe']}/{p['schemoe']}" if p else "-"
         stack = f"{st['ms']:7.1f} ({st['policy']} r={st['chunks']} m={st['micro']})"
+        ss = row["stack_scheduled"]
+        sched = f"{ss['ms']:7.1f} ({ss['policy']} r={ss['chunks']} m={ss['micro']})"
         ratio = f"{row['ratio_paper']:.3f}" if row["ratio_paper"] else "-"
         print(
             f"{row['layers']:>6} {paper:>16} {row['sequential']['ms']:>10.1f} "
             f"{_r(row['tutel']):>15} {_r(row['schemoe']):>15} {_r(row['schemoe_shipped']):>17} "
-            f"{stack:>30} {st['m1_ms']:>9.1f} {ratio:>9} "
+            f"{stack:>30} {st['m1_ms']:>9.1f} {sched:>30} {ratio:>9} "
             f"{row['ratio_predicted']:>8.3f} {row['ratio_shipped']:>8.3f}"
         )
     for row in rows:
