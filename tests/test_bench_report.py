@@ -106,6 +106,17 @@ def test_the_runner_goes_on_past_a_failing_figure_and_marks_it_failed(tmp_path):
     assert (tmp_path / "overhead.txt").read_text().startswith("# started ")
 
 
+def test_a_figure_whose_command_dies_after_its_output_stays_failed_but_shows_the_table(tmp_path):
+    def fake(argv, out, err, env, timeout):  # the result written, then a non-zero exit
+        with open(out, "a") as f:
+            f.write('{"scheduler_us_per_task": 1.5, "layer_us_per_extra_task": 70.0}\n')
+        return 134
+
+    report = regen.run_figures(figures.by_name(["overhead"]), tmp_path, fake).read_text()
+    assert "**failed**" in report and "exited 134" in report
+    assert "The table from the outputs as they were written" in report and "1.5 us" in report
+
+
 def _run_dir(path: Path, seq: float, schemoe: float) -> Path:
     path.mkdir()
     rows = [

@@ -104,12 +104,13 @@ def _run_figure(f: Figure, out: Path, runner: Runner, timeout: float) -> tuple[s
     finally:
         if f.where:
             runner([sys.executable, "-m", "schemoe.cli", "testbed", "down"], bed_log, bed_log, None, 120)  # fmt: skip
-    if failed:
-        return "failed", failed
     try:
-        return "ok", render(f.table([(out / n).read_text() for n in f.outputs]))
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        return "failed", f"no table: {type(e).__name__}: {e}"
+        table = render(f.table([(out / n).read_text() for n in f.outputs]))
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        return "failed", failed or f"no table: {type(e).__name__}: {e}"
+    if failed:  # e.g. a rank that died at exit after writing its result: say so, show what it wrote
+        return "failed", f"{failed}\n\nThe table from the outputs as they were written:\n\n{table}"
+    return "ok", table
 
 
 def render(t: Table) -> str:

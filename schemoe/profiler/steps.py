@@ -7,7 +7,7 @@ from ..costmodel.hardware import Hardware
 from ..costmodel.stack import predict_stack_step
 from ..costmodel.step import StepShape, predict_step
 
-__all__ = ["is_step_row", "point"]
+__all__ = ["dims", "is_step_row", "point"]
 
 
 def is_step_row(row: dict) -> bool:
@@ -15,14 +15,14 @@ def is_step_row(row: dict) -> bool:
     return "grad_sync" in row and row["policy"] != "deepspeed"
 
 
-def _dims(cfg: dict) -> tuple[int, int]:
-    """(model dim, hidden dim) of a bench step header; results written before the flags were
-    renamed (--dim, --hidden) carry the old keys."""
+def dims(cfg: dict) -> tuple[int, int]:
+    """(model dim, hidden dim) of a bench layer or step header; results written before the flags
+    were renamed (--dim, --hidden) carry the old keys."""
     return int(cfg.get("model_dim", cfg.get("dim"))), int(cfg.get("hidden_dim", cfg.get("hidden")))
 
 
 def shape_of(cfg: dict) -> StepShape:
-    M, H = _dims(cfg)
+    M, H = dims(cfg)
     return StepShape(
         batch=int(cfg["batch"]),
         seq_len=int(cfg["seq_len"]),
@@ -62,8 +62,8 @@ def point(cfg: dict, row: dict, hw: Hardware) -> dict:
         "chunks": row["chunks"],
         "micro_chunks": m,
         "tokens": int(cfg["batch"]) * int(cfg["seq_len"]),
-        "model_dim": _dims(cfg)[0],
-        "hidden": _dims(cfg)[1],
+        "model_dim": dims(cfg)[0],
+        "hidden": dims(cfg)[1],
         "measured_ms": round(row["median_ms"], 2),
         "predicted_ms": round(pred, 2),
         "error": round((pred - row["median_ms"]) / row["median_ms"], 4),

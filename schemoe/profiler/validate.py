@@ -85,15 +85,14 @@ def run(args: argparse.Namespace) -> int:
                 points.append(steps.point(cfg, row, hw))
                 continue
             fwd, _, bwd = row["compressor"].partition("/")
+            M, H = steps.dims(cfg)
             moe = c.MoEConfig(
                 gate=c.GateConfig(
                     num_experts=int(cfg["experts"]),
                     top_k=int(cfg["top_k"]),
                     capacity_factor=float(cfg["f"]),
                 ),
-                experts=c.ExpertConfig(
-                    model_dim=int(cfg["model_dim"]), hidden_dim=int(cfg["hidden"])
-                ),
+                experts=c.ExpertConfig(model_dim=M, hidden_dim=H),
                 schedule=c.ScheduleConfig(policy=row["policy"], chunks=int(row["chunks"])),
                 collective=c.CollectiveConfig(algorithm=row["algorithm"]),
                 compression=c.CompressionConfig(forward=fwd, backward=bwd or fwd),
@@ -104,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 {
                     **{k: row[k] for k in ("policy", "algorithm", "compressor", "chunks")},
                     "tokens": int(cfg["tokens"]),
-                    "model_dim": int(cfg["model_dim"]),
-                    "hidden": int(cfg["hidden"]),
+                    "model_dim": M,
+                    "hidden": H,
                     "measured_ms": round(row["median_ms"], 2),
                     "predicted_ms": round(pred, 2),
                     "error": round(err, 4),
