@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,12 +105,12 @@ def test_a_store_with_old_keys_still_reads_as_intra_unshaped(tmp_path):
 
 
 # ------------------------------------------------------------------ validate
-def _bench_output(tmp_path, key: str) -> str:
+def _bench_output(tmp_path, key: str, hidden_key: str = "hidden_dim") -> str:
     row = {"policy": "schemoe", "algorithm": "naive", "compressor": "none", "chunks": 2,
            "median_ms": 50.0}  # fmt: skip
     path = tmp_path / "bench.txt"
     path.write_text(
-        "# schemoe bench layer\n# config: tokens=512 model_dim=64 hidden=128 top_k=2 "
+        f"# schemoe bench layer\n# config: tokens=512 model_dim=64 {hidden_key}=128 top_k=2 "
         "dtype=float32 experts=4 f=1.25 warmup=1 repeats=3\n"
         + json.dumps({"results": [row], "profile_key": key})
         + "\n"
@@ -127,14 +128,25 @@ def test_validate_refuses_a_profile_of_other_links_naming_both_keys(tmp_path, ca
     assert run_key in err and "2x2@inter=3e+08,intra=unshaped" in err
 
 
-def test_validate_predicts_on_the_profile_of_the_runs_key(tmp_path, capsys):
+@pytest.mark.parametrize("hidden_key", ["hidden_dim", "hidden"])  # today's header, the old one
+def test_validate_predicts_on_the_profile_of_the_runs_key(tmp_path, capsys, hidden_key):
     prof = str(tmp_path / "p.json")
     profiles.save(_hw(Links(3e8)), prof)
     profiles.save(_hw(SHAPED), prof)  # the run's, among others
     run_key = profiles.cache_key(2, 2, SHAPED)
-    assert cli.main(["validate", f"{_bench_output(tmp_path, run_key)}={prof}"]) == 0
+    bench = _bench_output(tmp_path, run_key, hidden_key)
+    assert cli.main(["validate", f"{bench}={prof}"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["configurations"] == 1
+    assert out["configurations"] == 1 and out["points"][0]["hidden"] == 128
+
+
+def test_validate_prices_a_real_bench_layer_output_of_the_report(capsys):
+    """A bench layer output as `schemoe bench report` wrote it, with the profile it measured."""
+    run = Path(__file__).resolve().parent.parent / "docs/results/report_2026-12-03_run1"
+    arg = f"{run / 'costmodel_s1.txt'}={run / 'costmodel_s1.profile.json'}"
+    assert cli.main(["validate", arg]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["configurations"] == 30 and out["median_abs_error"] < 0.15
 
 
 # ------------------------------------------------------------------ auto's quick profile
