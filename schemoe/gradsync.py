@@ -263,7 +263,7 @@ def _hook(sync: GradSync, bucket):  # DDP checks real annotations: bucket is a d
     for part in early:
         part[2].then(functools.partial(fill, *part))
     if rest:  # what no early all-reduce sent: reduced here, the same arithmetic
-        whole = rest == [(0, buf.numel())]
+        whole = not early  # the bucket itself goes (in place when fp32), as without a stack
         flat = buf if whole else torch.cat([buf[at : at + n] for at, n in rest])
 
         def done(result: torch.Tensor) -> None:
