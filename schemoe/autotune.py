@@ -124,6 +124,52 @@ def cost_model_for(
     )
 
 
+def plan_record(
+    topo: Topology,
+    links: Links,
+    path: str | None,
+    *,
+    model_dim: int,
+    hidden: int,
+    tokens: int,
+    experts: int,
+) -> tuple[Hardware, dict | None]:
+    """The record to plan on under the key of `topo` and `links`: the one stored (rank 0 reads
+    it, every rank gets it), else a quick profile every rank measures at the given shape, rank 0's
+    fit stored and shared. (record, the measurement's summary or None). Collective over
+    topo.group. The measurement draws random inputs and runs backward: the caller's RNG stream
+    is kept and grad is on whatever mode the caller is in."""
+    key = profiles.cache_key(topo.nodes, topo.ranks_per_node, links)
+    hw = _from_rank0(lambda: profiles.load(key, path), topo)
+    if hw is not None:
+        return hw, None
+    t0 = time.perf_counter()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        mine, _ = measure.measure(
+            topo, model_dim=model_dim, hidden=hidden, tokens=tokens, experts=experts,
+            links=links, quick=True, calibrated=False, name=f"quick {key}",
+        )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    hw, seconds = _from_rank0(lambda: (mine, seconds), topo)  # every rank plans on rank 0's
+    if topo.rank == 0:
+        profiles.save(hw, path)
+    row = {
+        "key": key,
+        "seconds": round(seconds, 3),
+        "inter_gbps": round(hw.inter.beta * 8 / 1e9, 3),
+        "intra_gbps": round(hw.intra.beta * 8 / 1e9, 3),
+        "gflops": round(hw.flops / 1e9, 2),
+    }
+    log.info(
+        "autotune: no profile %r in %s; measured a quick one in %.2f s (inter %.3g Gbit/s, "
+        "intra %.3g Gbit/s, experts %.3g GFLOP/s) and stored it",
+        key, path or profiles.DEFAULT_PATH, seconds, row["inter_gbps"], row["intra_gbps"],
+        row["gflops"],
+    )  # fmt: skip
+    return hw, row
+
+
 class Trials:
     """Round-robin timing of candidate configurations (see the module docstring).
 
@@ -291,51 +337,17 @@ class AutoTuner:
         """The record to plan `layer` on (collective over its group; see the module docstring)."""
         if self.hardware is not None:
             return self.hardware
-        topo = layer.topology
+        topo, cfg = layer.topology, layer.config
         key = profiles.cache_key(topo.nodes, topo.ranks_per_node, self.links)
         if key not in self._records:
-            hw = _from_rank0(lambda: profiles.load(key, self.profile_path), topo)
-            self._records[key] = hw or self._quick_profile(layer, tokens, key)
+            hw, row = plan_record(
+                topo, self.links, self.profile_path, model_dim=cfg.experts.model_dim,
+                hidden=cfg.experts.hidden_dim, tokens=tokens, experts=cfg.gate.num_experts,
+            )  # fmt: skip
+            if row is not None:
+                self.measured.append(row)
+            self._records[key] = hw
         return self._records[key]
-
-    def _quick_profile(self, layer: MoELayer, tokens: int, key: str) -> Hardware:
-        """Measure, store and log a quick profile at `layer`'s shape (collective; once per key)."""
-        cfg, topo = layer.config, layer.topology
-        t0 = time.perf_counter()
-        # The measurement draws random inputs and runs backward: keep the caller's RNG stream
-        # and run with grad whatever mode the first call came in.
-        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-            mine, _ = measure.measure(
-                topo,
-                model_dim=cfg.experts.model_dim,
-                hidden=cfg.experts.hidden_dim,
-                tokens=tokens,
-                experts=cfg.gate.num_experts,
-                links=self.links,
-                quick=True,
-                calibrated=False,
-                name=f"quick {key}",
-            )
-        seconds = time.perf_counter() - t0
-        hw, seconds = _from_rank0(lambda: (mine, seconds), topo)  # every rank plans on rank 0's
-        if topo.rank == 0:
-            profiles.save(hw, self.profile_path)
-        row = {
-            "key": key,
-            "seconds": round(seconds, 3),
-            "inter_gbps": round(hw.inter.beta * 8 / 1e9, 3),
-            "intra_gbps": round(hw.intra.beta * 8 / 1e9, 3),
-            "gflops": round(hw.flops / 1e9, 2),
-        }
-        self.measured.append(row)
-        log.info(
-            "autotune: no profile %r in %s; measured a quick one in %.2f s (inter %.3g Gbit/s, "
-            "intra %.3g Gbit/s, experts %.3g GFLOP/s) and stored it",
-            key, self.profile_path or profiles.DEFAULT_PATH, seconds, row["inter_gbps"],
-            row["intra_gbps"], row["gflops"],
-        )  # fmt: skip
-        return hw
 
     def _before(self, layer: MoELayer, args: tuple):
         st = self._state[layer]
