@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from schemoe.bench import figures, regen
+from schemoe.bench import figures, paste, regen
 from schemoe.bench.figures import FIGURES
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -73,7 +73,7 @@ def test_only_with_an_unknown_name_names_it_and_the_known_ones():
 
 def _args(**kw) -> argparse.Namespace:
     base = {"out": None, "only": None, "testbed": False, "list": False, "dry_run": False}
-    base |= {"timeout": 60.0, "compare": None}
+    base |= {"timeout": 60.0, "compare": None, "paste": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -154,3 +154,62 @@ def test_compare_marks_rows_one_run_lacks_and_keeps_unlike_tables_apart():
     assert " /  |" not in shape1  # no cell merged with a missing one
     a2a = text.split("## a2a_10gbit")[1].split("## ")[0]
     assert "run 1:" in a2a and "run 2:" in a2a
+
+
+DOC = """# Results
+
+Before.
+
+<!-- report:layer_400mbit -->
+an old table
+<!-- /report:layer_400mbit -->
+
+After.
+"""
+
+
+def test_paste_puts_the_commands_and_compared_table_between_the_marks_and_nothing_else(tmp_path):
+    a = _run_dir(tmp_path / "a", 440.0, 320.0)
+    b = _run_dir(tmp_path / "b", 380.0, 300.0)
+    found = regen.blocks(a, b)
+    assert list(found) == ["layer_400mbit"]  # only figures both runs have
+    text = paste.paste(DOC, found)
+    assert text.startswith("# Results\n\nBefore.\n\n<!-- report:layer_400mbit -->\n```bash\n")
+    assert text.endswith("<!-- /report:layer_400mbit -->\n\nAfter.\n")
+    assert "an old table" not in text and "1.38x / 1.27x" in text
+    assert "schemoe bench layer --testbed" in text and "> DIR/layer_2node_400mbit.txt" in text
+    assert "Cells: `a` / `b`" in text
+    assert "(1.10x / 0.95x): does NOT hold in both" in text
+    assert paste.paste(text, found) == text  # pasting again from the same runs changes nothing
+
+
+def test_paste_refuses_a_figure_without_a_block_or_a_mark_without_its_end():
+    with pytest.raises(ValueError, match="README.md: no block for layer_400mbit"):
+        paste.paste(DOC, {}, "README.md")
+    with pytest.raises(ValueError, match="without <!-- /report:NAME -->: overhead"):
+        paste.paste("<!-- report:overhead -->\nx\n", {"overhead": "y"})
+    assert paste.marked(DOC) == ["layer_400mbit"]
+
+
+def test_the_paste_option_writes_every_file_or_none(tmp_path):
+    a = _run_dir(tmp_path / "a", 440.0, 320.0)
+    b = _run_dir(tmp_path / "b", 380.0, 300.0)
+    good, bad = tmp_path / "good.md", tmp_path / "bad.md"
+    good.write_text(DOC)
+    bad.write_text("<!-- report:overhead -->\n\n<!-- /report:overhead -->\n")  # not in the runs
+    with pytest.raises(ValueError, match="bad.md: no block for overhead"):
+        regen.run(_args(compare=[str(a), str(b)], paste=[str(good), str(bad)]))
+    assert good.read_text() == DOC  # nothing half pasted
+    regen.run(_args(compare=[str(a), str(b)], paste=[str(good)]))
+    assert "1.38x / 1.27x" in good.read_text()
+    with pytest.raises(ValueError, match="--paste needs --compare"):
+        regen.run(_args(paste=[str(good)]))
+
+
+def test_commands_are_what_a_user_types_wrapped_at_100_columns():
+    for f in FIGURES:
+        lines = "\n".join(regen.commands(f)).splitlines()
+        assert all(len(line) <= 100 for line in lines if " " in line.strip()), f.name
+        assert not any("{out}" in line or "{home}" in line or "python -m schemoe.cli" in line for line in lines)  # fmt: skip
+        assert lines[0].startswith("schemoe testbed up") == bool(f.where)
+        assert (lines[-1] == "schemoe testbed down") == bool(f.where)

@@ -6,7 +6,8 @@ always down after them. Each command's stdout goes to OUT/<file> under one heade
 time, UTC, and the command), its stderr to OUT/<file>.stderr; OUT/REPORT.md gets per figure the
 commands, the table, the raw files and the wall time. A figure that fails is marked failed there
 and the run goes on. `--compare DIR1 DIR2` puts two runs' tables side by side: a claim stands
-only where it holds in both.
+only where it holds in both; with `--paste FILE...` it writes each figure's commands and compared
+table into the files' marked blocks (`schemoe.bench.paste`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .figures import FIGURES, Figure, Step, by_name
+from . import paste
+from .figures import CLI, FIGURES, Figure, Step, by_name
 from .tables import Table
 
-__all__ = ["add_arguments", "compare", "dry_run", "run", "run_figures", "select"]
+__all__ = [
+    "add_arguments", "blocks", "commands", "compare", "compare_figure", "dry_run", "run",
+    "run_figures", "select",
+]  # fmt: skip
 
 # runner(argv, stdout file, stderr file, env or None, timeout s) -> exit code; files opened for append
 Runner = Callable[[list[str], Path, Path, "dict | None", float], int]
@@ -72,6 +77,43 @@ def dry_run(figs: Sequence[Figure], out: Path) -> list[str]:
         if f.where:
             lines.append(_show([sys.executable, "-m", "schemoe.cli", "testbed", "down"]))
     return lines
+
+
+def commands(f: Figure) -> list[str]:
+    """`f`'s commands as a user types them: `schemoe ...`, DIR for the report's output folder."""
+    home = f"DIR/home/{f.name}"
+    lines = [_wrap(["schemoe", *f.where.up_argv()[2:]])] if f.where else []
+    for s in f.steps:
+        argv = [a.format(out="DIR", home=home) for a in s.argv]
+        argv = ["schemoe", *argv[2:]] if tuple(argv[:2]) == CLI else ["python", *argv]
+        env = [f"HOME={home}"] if s.fresh_home else []
+        lines.append(_wrap([*env, *map(shlex.quote, argv), f"> DIR/{s.out}"]))
+    if f.where:
+        lines.append("schemoe testbed down")
+    return lines
+
+
+def _wrap(words: Sequence[str], width: int = 100) -> str:
+    """Shell words joined into lines of at most `width` (where words allow), continued with \\."""
+    lines, cur = [], ""
+    for w in words:
+        if cur and len(cur) + 1 + len(w) > width - 2:
+            lines.append(cur + " \\")
+            cur = "    " + w
+        else:
+            cur = f"{cur} {w}" if cur else w
+    return "\n".join([*lines, cur])
+
+
+def _commit() -> str:
+    """The checkout's commit the run measures (`git describe`), or why it is not known."""
+    try:
+        r = subprocess.run(["git", "describe", "--always", "--dirty"], check=False,
+                           capture_output=True, text=True, timeout=10,
+                           cwd=Path(__file__).resolve().parent)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({type(e).__name__})"
+    return r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
 
 
 def _stamp() -> str:
@@ -126,9 +168,8 @@ def run_figures(figs: Sequence[Figure], out: Path, runner: Runner = subprocess_r
     """Run `figs` in order into `out`; write and return out/REPORT.md (after every figure)."""
     out.mkdir(parents=True, exist_ok=True)
     total = sum(f.minutes for f in figs)
-    parts = [
-        f"# schemoe bench report\n\nstarted {_stamp()}; estimate {total:g} min for {len(figs)} figure(s)\n"
-    ]
+    head = f"started {_stamp()} at commit {_commit()}; estimate {total:g} min for {len(figs)} figure(s)"  # fmt: skip
+    parts = [f"# schemoe bench report\n\n{head}\n"]
     report = out / "REPORT.md"
     for f in figs:
         t0, start = time.monotonic(), _stamp()
@@ -146,6 +187,37 @@ def run_figures(figs: Sequence[Figure], out: Path, runner: Runner = subprocess_r
     return report
 
 
+def compare_figure(f: Figure, dir1: Path, dir2: Path) -> str | None:
+    """One figure's two runs: its table cell by cell ("a / b" where they differ) and each claim's
+    verdict; None when either run lacks one of its outputs."""
+    if not all((d / n).exists() for d in (dir1, dir2) for n in f.outputs):
+        return None
+    try:
+        t1, t2 = (f.table([(d / n).read_text() for n in f.outputs]) for d in (dir1, dir2))
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return f"no table in one of the runs: {type(e).__name__}: {e}\n"
+    lines = []
+    if list(t1.columns) != list(t2.columns):  # not cell for cell: one after the other
+        lines += ["run 1:\n", t1.markdown(), "\nrun 2:\n", t2.markdown(), ""]
+    else:  # rows matched by their first cell; a row only one run has says which
+        rows2 = {r[0]: r for r in t2.rows}
+        rows = []
+        for r in t1.rows:
+            o = rows2.get(r[0])
+            merged = [a if a == b else f"{a} / {b}" for a, b in zip(r, o)] if o else r
+            rows.append(["1, 2" if o else "1", *merged])
+        first = {r[0] for r in t1.rows}
+        rows += [["2", *r] for r in t2.rows if r[0] not in first]
+        lines += [Table(["run", *t1.columns], rows).markdown(), ""]
+    c2 = {c.text: c for c in t2.claims}
+    for c in t1.claims:
+        o = c2.get(c.text)
+        both = c.holds and o is not None and o.holds
+        seen = f"{c.value} / {o.value}" if o else f"{c.value} / absent"
+        lines.append(f"- {c.text} ({seen}): {'holds in both' if both else 'does NOT hold in both'}")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def compare(dir1: Path, dir2: Path) -> str:
     """Both runs' tables, cell by cell ("a / b" where they differ), and each claim's verdict."""
     lines = [
@@ -156,34 +228,26 @@ def compare(dir1: Path, dir2: Path) -> str:
         ),
     ]
     for f in FIGURES:
-        if not all((d / n).exists() for d in (dir1, dir2) for n in f.outputs):
-            continue
-        try:
-            t1, t2 = (f.table([(d / n).read_text() for n in f.outputs]) for d in (dir1, dir2))
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            lines.append(f"## {f.name}\n\nno table in one of the runs: {type(e).__name__}: {e}\n")
-            continue
-        lines.append(f"## {f.name}: {f.title}\n")
-        if list(t1.columns) != list(t2.columns):  # not cell for cell: one after the other
-            lines += ["run 1:\n", t1.markdown(), "\nrun 2:\n", t2.markdown(), ""]
-        else:  # rows matched by their first cell; a row only one run has says which
-            rows2 = {r[0]: r for r in t2.rows}
-            rows = []
-            for r in t1.rows:
-                o = rows2.get(r[0])
-                merged = [a if a == b else f"{a} / {b}" for a, b in zip(r, o)] if o else r
-                rows.append(["1, 2" if o else "1", *merged])
-            first = {r[0] for r in t1.rows}
-            rows += [["2", *r] for r in t2.rows if r[0] not in first]
-            lines += [Table(["run", *t1.columns], rows).markdown(), ""]
-        c2 = {c.text: c for c in t2.claims}
-        for c in t1.claims:
-            o = c2.get(c.text)
-            both = c.holds and o is not None and o.holds
-            seen = f"{c.value} / {o.value}" if o else f"{c.value} / absent"
-            lines.append(f"- {c.text} ({seen}): {'holds in both' if both else 'does NOT hold in both'}")  # fmt: skip
-        lines.append("")
+        body = compare_figure(f, dir1, dir2)
+        if body is not None:
+            lines.append(f"## {f.name}: {f.title}\n\n{body}")
     return "\n".join(lines)
+
+
+def blocks(dir1: Path, dir2: Path) -> dict[str, str]:
+    """Per figure present in both runs, what `--paste` puts in a file: its commands (as a user
+    types them, DIR for the output folder), which runs the cells show, the compared table."""
+    out = {}
+    for f in FIGURES:
+        body = compare_figure(f, dir1, dir2)
+        if body is None:
+            continue
+        cmds = "\n".join(commands(f))
+        out[f.name] = (
+            f"```bash\n{cmds}\n```\n\nCells: `{dir1.name}` / `{dir2.name}` where they differ "
+            f"(`{f.name}` in their REPORT.md).\n\n{body}"
+        )
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,9 +260,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="kill a command after S s")
     p.add_argument("--compare", nargs=2, metavar=("DIR1", "DIR2"), default=None,
                    help="two report folders: tables side by side, claims that hold in both")  # fmt: skip
+    p.add_argument("--paste", nargs="+", metavar="FILE", default=None,
+                   help="with --compare: replace each <!-- report:NAME --> block of these "
+                   "markdown files with that figure's commands and compared table")  # fmt: skip
 
 
 def run(args: argparse.Namespace, runner: Runner = subprocess_runner, euid: int | None = None) -> int:  # fmt: skip
+    if args.paste and not args.compare:
+        raise ValueError("--paste needs --compare DIR1 DIR2 (the runs whose tables it pastes)")
+    if args.compare and args.paste:
+        found = blocks(Path(args.compare[0]), Path(args.compare[1]))
+        files = [Path(p) for p in args.paste]
+        texts = {p: paste.paste(p.read_text(), found, str(p)) for p in files}  # all or nothing
+        for p, text in texts.items():
+            p.write_text(text)
+            print(f"{p}: pasted {', '.join(paste.marked(text)) or 'nothing (no marks)'}")
+        return 0
     if args.compare:
         text = compare(Path(args.compare[0]), Path(args.compare[1]))
         if args.out:

@@ -1,0 +1,47 @@
+"""`schemoe bench report --compare DIR1 DIR2 --paste FILE...`: the two runs' tables into markdown.
+
+A file marks where a figure goes with two HTML comments (invisible once rendered); everything
+between them is replaced by the figure's block (`regen.blocks`: its commands, which runs the
+cells show, the compared table and each claim's verdict), everything outside is left as it is:
+
+    <!-- report:layer_400mbit -->
+    ...
+    <!-- /report:layer_400mbit -->
+
+So the tables in the README and docs are the report's output, not copies of it: pasting again
+from the same runs changes nothing (a test checks that for the committed files).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+__all__ = ["marked", "paste"]
+
+_OPEN = re.compile(r"<!-- report:([A-Za-z0-9_]+) -->")
+_BLOCK = re.compile(r"<!-- report:([A-Za-z0-9_]+) -->\n.*?<!-- /report:\1 -->", re.DOTALL)
+
+
+def marked(text: str) -> list[str]:
+    """The figure names `text` marks, in order."""
+    return _OPEN.findall(text)
+
+
+def paste(text: str, blocks: Mapping[str, str], where: str = "the text") -> str:
+    """`text` with every marked block replaced by `blocks[name]`. ValueError, naming `where` and
+    the names, for a mark without its closing mark or a figure `blocks` lacks (e.g. failed or
+    missing in one of the runs): nothing is half pasted."""
+    whole = {m.group(1) for m in _BLOCK.finditer(text)}
+    unclosed = [n for n in marked(text) if n not in whole]
+    if unclosed:
+        raise ValueError(f"{where}: <!-- report:NAME --> without <!-- /report:NAME -->: {', '.join(unclosed)}")  # fmt: skip
+    missing = [n for n in marked(text) if n not in blocks]
+    if missing:
+        raise ValueError(f"{where}: no block for {', '.join(missing)} (not in both runs, or not a figure)")  # fmt: skip
+
+    def one(m: re.Match) -> str:
+        name = m.group(1)
+        return f"<!-- report:{name} -->\n{blocks[name].rstrip()}\n<!-- /report:{name} -->"
+
+    return _BLOCK.sub(one, text)
