@@ -1,6 +1,7 @@
 """`schemoe bench report --compare DIR1 DIR2 --paste FILE...`: the two runs' tables into markdown.
 
-A file marks where a figure goes with two HTML comments (invisible once rendered); everything
+A file marks where a figure goes with two HTML comments, each on a line of its own (invisible
+once rendered; the same text inside a line is not a mark); everything
 between them is replaced by the figure's block (`regen.blocks`: its commands, which runs the
 cells show, the compared table and each claim's verdict), everything outside is left as it is:
 
@@ -19,8 +20,10 @@ from collections.abc import Mapping
 
 __all__ = ["marked", "paste"]
 
-_OPEN = re.compile(r"<!-- report:([A-Za-z0-9_]+) -->")
-_BLOCK = re.compile(r"<!-- report:([A-Za-z0-9_]+) -->\n.*?<!-- /report:\1 -->", re.DOTALL)
+_OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_]+) -->$", re.MULTILINE)
+_BLOCK = re.compile(
+    r"^<!-- report:([A-Za-z0-9_]+) -->\n.*?^<!-- /report:\1 -->$", re.DOTALL | re.MULTILINE
+)
 
 
 def marked(text: str) -> list[str]:
