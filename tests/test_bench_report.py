@@ -144,14 +144,24 @@ def test_compare_shows_both_ratios_and_which_claims_hold_in_both(tmp_path):
     assert out.read_text() == text
 
 
-def test_compare_marks_rows_one_run_lacks_and_keeps_unlike_tables_apart():
-    """The committed first and second runs of the auto figures (auto chose another configuration
-    on shape 1) and of the 10 Gbit/s all-to-alls (the older output has no intra/inter parts)."""
+def test_compare_marks_rows_one_run_lacks_and_keeps_unlike_tables_apart(tmp_path):
+    """A run without DeepSpeed's row; the committed first and second runs of the auto figures
+    (auto chose another configuration on shape 1: one row, both cells) and of the 10 Gbit/s
+    all-to-alls (the older output has no intra/inter parts: one table after the other)."""
+    a = _run_dir(tmp_path / "a", 440.0, 320.0)
+    b = _run_dir(tmp_path / "b", 380.0, 300.0)
+    raw = b / "layer_2node_400mbit.txt"
+    js = json.loads(raw.read_text())
+    raw.write_text(json.dumps({"results": js["results"][:2]}) + "\n")  # no DeepSpeed row
+    text = regen.compare(a, b)
+    assert "| 1 | DeepSpeed-MoE | its own | 400.0 | 1.10x |" in text
+    assert "(1.10x / absent): does NOT hold in both" in text
     root = Path(__file__).resolve().parent.parent / "docs" / "results"
     text = regen.compare(root, root / "report_2026-12-03_partial")
     shape1 = text.split("## auto_noprofile_shape1")[1].split("## ")[0]
-    assert "| 1 | schemoe r=4 | 424.4 |" in shape1 and "| 2 | fastermoe r=4 | 374.0 |" in shape1
-    assert " /  |" not in shape1  # no cell merged with a missing one
+    assert (
+        "| 1, 2 | T=1024 M=256 H=1024 E=8 | schemoe r=4 / fastermoe r=4 | 424.4 / 374.0 |" in shape1
+    )
     a2a = text.split("## a2a_10gbit")[1].split("## ")[0]
     assert "run 1:" in a2a and "run 2:" in a2a
 
@@ -189,6 +199,7 @@ def test_paste_refuses_a_figure_without_a_block_or_a_mark_without_its_end():
     with pytest.raises(ValueError, match="without <!-- /report:NAME -->: overhead"):
         paste.paste("<!-- report:overhead -->\nx\n", {"overhead": "y"})
     assert paste.marked(DOC) == ["layer_400mbit"]
+    assert paste.marked("say `<!-- report:NAME -->` in a line") == []  # only a line of its own
 
 
 def test_the_paste_option_writes_every_file_or_none(tmp_path):

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Claim", "Table", "last_json"]
+__all__ = ["Claim", "Table", "config_line", "last_json"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,14 @@ class Table:
         out = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         out += ["| " + " | ".join(r) + " |" for r in self.rows]
         return "\n".join(out)
+
+
+def config_line(text: str) -> dict[str, str]:
+    """The `# config: k=v ...` header line of a bench output, as a dict (empty if none)."""
+    for line in text.splitlines():
+        if line.startswith("# config:"):
+            return dict(kv.split("=", 1) for kv in line[len("# config:") :].split() if "=" in kv)
+    return {}
 
 
 def last_json(text: str) -> dict:
@@ -155,11 +163,13 @@ def auto_noprofile(texts: Sequence[str]) -> Table:
     best = _best(rows, lambda r: not r["policy"].startswith("auto"))
     secs = sum(p["seconds"] for p in js.get("auto_profile") or [])
     ratio = auto["median_ms"] / best["median_ms"]
-    out = [[f"{auto['policy'][5:]} r={auto['chunks']}", _ms(auto["median_ms"]),
+    c = config_line(texts[0])
+    shape = f"T={c['tokens']} M={c['model_dim']} H={c['hidden_dim']} E={c['experts']}"
+    out = [[shape, f"{auto['policy'][5:]} r={auto['chunks']}", _ms(auto["median_ms"]),
             f"{best['policy']} r={best['chunks']}", _ms(best["median_ms"]), f"{ratio:.3f}x",
             f"{secs:.1f} s"]]  # fmt: skip
     claims = [Claim("auto within 5% of the best fixed row", ratio <= 1.05, f"{ratio:.3f}x")]
-    cols = ["auto chose", "auto ms", "best fixed row", "best ms", "auto / best", "quick profile"]
+    cols = ["shape", "auto chose", "auto ms", "best fixed row", "best ms", "auto / best", "quick profile"]  # fmt: skip
     return Table(cols, out, claims)
 
 
@@ -262,20 +272,21 @@ def step(texts: Sequence[str]) -> Table:
 
 
 def step_micro(texts: Sequence[str]) -> Table:
-    """The baseline (first row), the best row at each m, and DeepSpeed."""
+    """The baseline (first row), the best row at each m, and DeepSpeed; the row's name in its own
+    column, so two runs' tables line up row by row whichever configuration won."""
     rows = last_json(texts[0])["results"]
     base = rows[0]["median_ms"]
-    out = [[f"{_step_label(rows[0])} (baseline)", _ms(base), "1.00x"]]
+    out = [["baseline", _step_label(rows[0]), _ms(base), "1.00x"]]
     claims = []
     ours = [r for r in rows if r["policy"] != "deepspeed"]
     for m in dict.fromkeys(r.get("micro_chunks", 1) for r in ours):
         b = _best(ours, lambda r, m=m: r.get("micro_chunks", 1) == m)
-        out.append([f"best at m={m}: {_step_label(b)}", _ms(b["median_ms"]), _x(base / b["median_ms"])])  # fmt: skip
+        out.append([f"best at m={m}", _step_label(b), _ms(b["median_ms"]), _x(base / b["median_ms"])])  # fmt: skip
         claims.append(_faster(f"best at m={m} faster than the baseline", base / b["median_ms"]))
     for r in rows:
         if r["policy"] == "deepspeed":
-            out.append([_step_label(r), _ms(r["median_ms"]), _x(base / r["median_ms"])])
-    return Table(["row", "median ms", "vs baseline"], out, claims)
+            out.append(["DeepSpeed-MoE + DDP", _step_label(r), _ms(r["median_ms"]), _x(base / r["median_ms"])])  # fmt: skip
+    return Table(["row", "configuration", "median ms", "vs baseline"], out, claims)
 
 
 # --- train ------------------------------------------------------------------------------------
@@ -311,7 +322,7 @@ def train_policies(texts: Sequence[str], names: Sequence[str]) -> Table:
         _faster(f"{n} more tokens/s than {names[-1]}", j["tokens_per_s"] / base)
         for n, j in zip(names[:-1], js[:-1])
     ]
-    return Table(["run", "tokens/s", f"vs {names[-1]}", "final loss", "eval loss"], out, claims)
+    return Table(["policy", "tokens/s", f"vs {names[-1]}", "final loss", "eval loss"], out, claims)
 
 
 def overhead(texts: Sequence[str]) -> Table:
