@@ -188,7 +188,7 @@ def test_paste_puts_the_commands_and_compared_table_between_the_marks_and_nothin
     assert text.endswith("<!-- /report:layer_400mbit -->\n\nAfter.\n")
     assert "an old table" not in text and "1.38x / 1.27x" in text
     assert "schemoe bench layer --testbed" in text and "> DIR/layer_2node_400mbit.txt" in text
-    assert "Cells: `a` / `b`" in text
+    assert "Runs: 1 = `a`, 2 = `b`" in text
     assert "(1.10x / 0.95x): does NOT hold in both" in text
     assert paste.paste(text, found) == text  # pasting again from the same runs changes nothing
 

@@ -244,8 +244,8 @@ def blocks(dir1: Path, dir2: Path) -> dict[str, str]:
             continue
         cmds = "\n".join(commands(f))
         out[f.name] = (
-            f"```bash\n{cmds}\n```\n\nCells: `{dir1.name}` / `{dir2.name}` where they differ "
-            f"(`{f.name}` in their REPORT.md).\n\n{body}"
+            f"```bash\n{cmds}\n```\n\nRuns: 1 = `{dir1.name}`, 2 = `{dir2.name}` (`{f.name}` in "
+            f"their REPORT.md); a cell reads `1 / 2` where they differ.\n\n{body}"
         )
     return out
 
