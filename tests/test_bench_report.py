@@ -114,6 +114,8 @@ def test_a_figure_whose_command_dies_after_its_output_stays_failed_but_shows_the
 
     report = regen.run_figures(figures.by_name(["overhead"]), tmp_path, fake).read_text()
     assert "**failed**" in report and "exited 134" in report
+    head = report.splitlines()[2]
+    assert " at commit " in head and "unknown" not in head  # this checkout's commit, named
     assert "The table from the outputs as they were written" in report and "1.5 us" in report
 
 
