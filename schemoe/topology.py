@@ -14,6 +14,7 @@ caller gets its own. `node_groups()` and `peer_groups()` create all of their gro
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import warnings
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["Topology", "launcher_local_rank", "per_world", "register_family"]
+__all__ = ["Topology", "launcher_local_rank", "per_world", "register_family", "release"]
 
 # Objects tied to the process groups of one initialisation of torch.distributed (sub-groups,
 # all-to-all algorithms that own sub-groups and comm threads). Keys hold the groups themselves
@@ -47,6 +48,20 @@ def per_world(key: tuple, make: Callable[[], Any]) -> Any:
     if full not in _PER_WORLD:
         _PER_WORLD[full] = make()
     return _PER_WORLD[full]
+
+
+def release() -> None:
+    """Drop everything `per_world` cached (sub-groups, algorithm instances and their comm threads).
+
+    Call it before destroy_process_group (`schemoe._dist.shutdown` does): a group still referenced
+    when the interpreter exits is destroyed during finalisation, and a gloo worker thread that then
+    frees a tensor needs the GIL, which aborts the process ("terminate called without an active
+    exception", SIGABRT) after all its work is done. Also run at exit (atexit, before
+    finalisation), for a user's script that calls destroy_process_group itself."""
+    _PER_WORLD.clear()
+
+
+atexit.register(release)
 
 
 def launcher_local_rank(default: int = 0) -> int:

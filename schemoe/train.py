@@ -42,7 +42,7 @@ from torch import nn
 
 from . import checkpoint, failures
 from ._cli_util import guard
-from ._dist import init_process_group, spawn
+from ._dist import init_process_group, shutdown, spawn
 from .automicro import choose_micro_chunks
 from .autotune import AutoTuner
 from .costmodel.step import StepShape
@@ -348,8 +348,7 @@ def _main(a: argparse.Namespace) -> int:
         try:
             train(dist.get_rank(), dist.get_world_size(), a)
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            shutdown()
         return 0
     # Collectives are bounded by --timeout; the run itself may take as long as it needs.
     if a.device == "cuda" and a.nproc > torch.cuda.device_count():

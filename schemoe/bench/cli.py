@@ -127,13 +127,13 @@ def _joined(name: str, opts: dict) -> None:
     """Run as a rank of a group whose launcher set RANK/WORLD_SIZE/MASTER_* (read only here)."""
     import torch.distributed as dist
 
-    from .._dist import init_process_group
+    from .._dist import init_process_group, shutdown
 
     init_process_group(_backend(opts), timeout_s=opts["timeout"])
     try:
         _rank(dist.get_rank(), dist.get_world_size(), name, opts, launched=True)
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def _main(name: str, args: argparse.Namespace) -> int:

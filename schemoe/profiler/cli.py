@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .._cli_util import guard
-from .._dist import init_process_group, spawn
+from .._dist import init_process_group, shutdown, spawn
 from ..costmodel import profiles
 from ..costmodel.hardware import preset
 from ..costmodel.model import LayerShape
@@ -121,7 +121,7 @@ def _profile(args: argparse.Namespace) -> int:
         try:
             _rank(dist.get_rank(), dist.get_world_size(), opts)
         finally:
-            dist.destroy_process_group()
+            shutdown()
         return 0
     if args.ranks_per_node is None:
         opts["ranks_per_node"] = max(1, args.nproc // 2)
