@@ -42,9 +42,9 @@ def shutdown() -> None:
     every process group while the interpreter is fully alive (a no-op when none is initialised).
 
     Every entry point that initialised torch.distributed ends through here. A group left to the
-    interpreter's exit aborted a finished rank with SIGABRT in 8 of 25 testbed runs of `bench
-    layer` (docs/results/exit_abort_testbed.txt); gc.collect breaks the cycles that keep one
-    alive."""
+    interpreter's exit aborted a finished rank with SIGABRT in 7 of 25 testbed runs of `bench
+    layer`, against 0 of 25 ending here (docs/results/exit_abort_testbed.txt, one interleaved
+    run); gc.collect breaks the cycles that keep one alive."""
     topology.release()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
