@@ -195,9 +195,9 @@ def _figures() -> list[Figure]:
             f"auto_noprofile_shape{i}", f"auto with no profile on disk, shape {i} (costmodel.md)",
             TestbedSpec("400mbit"),
             (Step(_bench("layer", "--policies", "auto,schemoe,tutel", "--chunks", "1,2,4,8",
-                         "--warmup", "2", "--repeats", "7", *_shape(*shape)),
+                         "--warmup", "2", "--repeats", "15", *_shape(*shape)),
                   f"auto_noprofile_400mbit_shape{i}.txt", True),),
-            3, tables.auto_noprofile, (f"auto_noprofile_400mbit_shape{i}.txt",)))  # fmt: skip
+            5, tables.auto_noprofile, (f"auto_noprofile_400mbit_shape{i}.txt",)))  # fmt: skip
     for i, shape in COST_SHAPES.items():
         prof = "{home}/.cache/schemoe/profiles.json"  # where bench --predict reads it
         f.append(Figure(
