@@ -37,6 +37,19 @@ def test_the_layer_table_has_the_readme_rows_and_ratios():
     assert rows["DeepSpeed-MoE"][3] == "1.12x"
 
 
+def test_a_step_table_says_whether_any_row_went_below_its_lower_bound():
+    def bench(*rows):
+        keys = {"policy": "schemoe", "chunks": 4, "grad_sync": "ddp", "grad_compress": "none",
+                "network_share": 0.5}  # fmt: skip
+        return json.dumps({"results": [{**keys, "median_ms": m, "lower_bound_ms": b} for m, b in rows]})  # fmt: skip
+
+    fig = figures.by_name(["step_300mbit"])[0]
+    (ok,) = [c for c in fig.table([bench((300, 200), (250, 200))]).claims if "bound" in c.text]
+    assert ok.holds and ok.value == "1.25x"  # the closest row: 250 / 200
+    (low,) = [c for c in fig.table([bench((300, 200), (190, 200))]).claims if "bound" in c.text]
+    assert not low.holds and low.value == "0.95x"
+
+
 def test_the_train_and_overhead_makers_read_their_json_lines():
     line = json.dumps({"losses": [3.0] * 5 + [2.0] * 10})
     t = figures.by_name(["train_compress_accuracy"])[0].table(
