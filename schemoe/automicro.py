@@ -14,11 +14,11 @@ uncompressed under the run's policy, r and all-to-all algorithm.
 
 from __future__ import annotations
 
-from .autotune import _from_rank0, plan_record
 from .costmodel.hardware import Hardware
 from .costmodel.stack import choose_micro
 from .costmodel.step import StepShape
 from .links import Links
+from .planning import from_rank0, plan_record
 from .topology import Topology
 
 __all__ = ["CANDIDATES", "choose_micro_chunks"]
@@ -50,4 +50,4 @@ def choose_micro_chunks(
         best, preds = choose_micro(hw, shape, policy, algorithm, chunks, candidates=CANDIDATES)
         return best, {m: round(p.step_s * 1e3, 3) for m, p in preds.items()}
 
-    return _from_rank0(decide, topo)
+    return from_rank0(decide, topo)

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig, cli
-from schemoe.autotune import resolve
 from schemoe.costmodel import hardware, model, prediction, profiles, tune
 from schemoe.costmodel.hardware import Hardware, Link
+from schemoe.planning import resolve
 from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule, search, simulator
 
 
