@@ -19,7 +19,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from . import topology
 from ._lifeline import die_with_parent, on_signals
 
-__all__ = ["free_port", "init_process_group", "set_launcher_env", "shutdown", "spawn"]
+__all__ = ["free_port", "init_process_group", "joined", "set_launcher_env", "shutdown", "spawn"]
 
 
 def free_port() -> int:
@@ -50,6 +50,17 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+@contextlib.contextmanager
+def joined(backend: str = "gloo", timeout_s: float = 120.0) -> Iterator[None]:
+    """A launched rank's group (torchrun, the testbed) for the block: `init_process_group` on
+    entry, `shutdown` on exit however the block ends."""
+    init_process_group(backend, timeout_s)
+    try:
+        yield
+    finally:
+        shutdown()
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float = 120.0) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 
 from . import checkpoint, failures
 from ._cli_util import guard
-from ._dist import init_process_group, shutdown, spawn
+from ._dist import joined, spawn
 from .automicro import choose_micro_chunks
 from .autotune import AutoTuner
 from .costmodel.step import StepShape
@@ -344,11 +344,8 @@ def _main(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
         if a.device == "cuda":
             torch.cuda.set_device(launcher_local_rank())
-        init_process_group("nccl" if a.device == "cuda" else "gloo", a.timeout)
-        try:
+        with joined("nccl" if a.device == "cuda" else "gloo", a.timeout):
             train(dist.get_rank(), dist.get_world_size(), a)
-        finally:
-            shutdown()
         return 0
     # Collectives are bounded by --timeout; the run itself may take as long as it needs.
     if a.device == "cuda" and a.nproc > torch.cuda.device_count():

@@ -127,13 +127,10 @@ def _joined(name: str, opts: dict) -> None:
     """Run as a rank of a group whose launcher set RANK/WORLD_SIZE/MASTER_* (read only here)."""
     import torch.distributed as dist
 
-    from .._dist import init_process_group, shutdown
+    from .._dist import joined
 
-    init_process_group(_backend(opts), timeout_s=opts["timeout"])
-    try:
+    with joined(_backend(opts), timeout_s=opts["timeout"]):
         _rank(dist.get_rank(), dist.get_world_size(), name, opts, launched=True)
-    finally:
-        shutdown()
 
 
 def _main(name: str, args: argparse.Namespace) -> int:

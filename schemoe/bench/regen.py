@@ -268,7 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, runner: Runner = subprocess_runner, euid: int | None = None) -> int:  # fmt: skip
     if args.paste and not args.compare:
         raise ValueError("--paste needs --compare DIR1 DIR2 (the runs whose tables it pastes)")
-    if args.compare and args.paste:
+    if args.paste:
         found = blocks(Path(args.compare[0]), Path(args.compare[1]))
         files = [Path(p) for p in args.paste]
         texts = {p: paste.paste(p.read_text(), found, str(p)) for p in files}  # all or nothing

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .._cli_util import guard
-from .._dist import init_process_group, shutdown, spawn
+from .._dist import joined, spawn
 from ..costmodel import profiles
 from ..costmodel.hardware import preset
 from ..costmodel.model import LayerShape
@@ -117,11 +117,8 @@ def _profile(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched (torchrun, testbed)
         if args.device == "cuda":
             torch.cuda.set_device(launcher_local_rank())
-        init_process_group(backend, timeout_s=args.timeout)
-        try:
+        with joined(backend, timeout_s=args.timeout):
             _rank(dist.get_rank(), dist.get_world_size(), opts)
-        finally:
-            shutdown()
         return 0
     if args.ranks_per_node is None:
         opts["ranks_per_node"] = max(1, args.nproc // 2)

@@ -15,6 +15,7 @@ import json
 import statistics
 
 from .. import config as c
+from ..bench.tables import config_line
 from ..costmodel import profiles
 from ..costmodel.model import A2A_MODELS
 from ..costmodel.prediction import predict_config
@@ -41,13 +42,10 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
     """(config, measured rows) of a saved `schemoe bench layer` output: its '# config:' header
     line (plus the run's profile key as config["profile_key"]) and its last JSON line (rows
     with a modelled algorithm, auto's row left out)."""
-    config, summary = {}, None
     with open(path) as f:
-        for line in f:
-            if line.startswith("# config:"):
-                config = dict(kv.split("=", 1) for kv in line[len("# config:") :].split())
-            elif line.startswith("{"):
-                summary = json.loads(line)
+        text = f.read()
+    config = config_line(text)
+    summary = next((json.loads(line) for line in reversed(text.splitlines()) if line.startswith("{")), None)  # fmt: skip
     if summary is None or not config:
         raise ValueError(f"{path} holds no `schemoe bench layer` header and JSON line")
     config["profile_key"] = _run_key(summary, path)
