@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import schemoe as sm
-from schemoe.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
+from schemoe.layer.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
 
 
 class TinyLM(nn.Module):

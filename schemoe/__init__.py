@@ -13,8 +13,9 @@ from .config import (
     ParallelConfig,
     ScheduleConfig,
 )
-from .layer import MoELayer
-from .parallel import (
+from .dist.topology import Topology
+from .layer.moe import MoELayer
+from .layer.parallel import (
     ExpertParallel,
     average_expert_gradients,
     clip_grad_norm_,
@@ -24,7 +25,6 @@ from .parallel import (
     init_expert_parallel,
     is_expert_param,
 )
-from .topology import Topology
 
 __version__ = "0.1.0"
 

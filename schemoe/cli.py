@@ -1,24 +1,23 @@
 """`schemoe <command> ...`: each command lives in its own module that provides
-`register(subparsers)`; the parser it adds sets `func(args) -> int`."""
+`register(subparsers)`; the parser it adds sets `func(args) -> int`. The commands are imported
+here, so the import graph is the real one."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 from . import __version__
-from ._cli_util import Parser
+from .bench import cli as bench_cli
+from .checkpoint import store as checkpoint_cli
+from .cliargs import Parser
+from .profile import cli as profile_cli
+from .testbed import cli as testbed_cli
+from .train import loop as train_cli
 
 __all__ = ["build_parser", "main"]
 
 # Modules that add sub-commands, in help order.
-COMMANDS = [
-    "schemoe.train",
-    "schemoe.checkpoint",
-    "schemoe.testbed.cli",
-    "schemoe.bench.cli",
-    "schemoe.profiler.cli",
-]
+COMMANDS = [train_cli, checkpoint_cli, testbed_cli, bench_cli, profile_cli]
 
 DESCRIPTION = """\
 Mixture-of-Experts training with expert parallelism on torch.distributed: train a model,
@@ -31,7 +30,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"schemoe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in COMMANDS:
-        importlib.import_module(mod).register(sub)
+        mod.register(sub)
     return parser
 
 

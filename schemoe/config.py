@@ -131,7 +131,7 @@ class ParallelConfig:
     can treat 4 local ranks as 2 nodes x 2. uniform_tokens declares that every rank of the group
     routes the same number of tokens at every call (the usual training case): in capacity mode
     the all-to-all splits then follow from the config, with no counts exchange and no host sync
-    (see schemoe.dispatcher); a wrong declaration makes the all-to-alls' splits disagree."""
+    (see schemoe.layer.dispatcher); a wrong declaration makes the all-to-alls' splits disagree."""
 
     ranks_per_node: int | None = None
     uniform_tokens: bool = False
@@ -147,7 +147,7 @@ class ParallelConfig:
 class ScheduleConfig:
     """Task scheduling: the policy that orders the tasks and r, the number of chunks.
 
-    policy="auto" is resolved by a tuner (`schemoe.autotune.AutoTuner`, which `schemoe train`
+    policy="auto" is resolved by a tuner (`schemoe.tuning.auto.AutoTuner`, which `schemoe train`
     and `schemoe bench` attach): on the layer's first call the cost model chooses policy, r,
     all-to-all algorithm and compressors within accuracy_budget: "lossless" (no compression),
     "fp16" (none/fp16/bf16) or "lossy" (every compressor). With trials > 0 the model shortlists

@@ -15,9 +15,9 @@ import argparse
 import json
 import sys
 
-from schemoe import train as T
-from schemoe._dist import spawn
-from schemoe.train_args import add_arguments
+from schemoe.dist.launch import spawn
+from schemoe.train import loop as T
+from schemoe.train.args import add_arguments
 
 
 def _status_mb(key: str) -> float:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from schemoe import devices
+from schemoe.dist import devices
 
 __all__ = ["CommCheck", "count_host_syncs"]
 

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from schemoe import MoEConfig, MoELayer
-from schemoe.autotune import TUNED, AutoTuner
 from schemoe.costmodel.hardware import preset
-from schemoe.testing import reference_moe
+from schemoe.layer.reference import reference_moe
+from schemoe.tuning.auto import TUNED, AutoTuner
 
 ATOL, RTOL = 2e-5, 2e-4
 

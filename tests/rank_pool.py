@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from schemoe._dist import free_port, init_process_group, set_launcher_env
-from schemoe._lifeline import die_with_parent
+from schemoe.dist.launch import free_port, init_process_group, set_launcher_env
+from schemoe.dist.lifeline import die_with_parent
 
 __all__ = ["RankPool"]
 

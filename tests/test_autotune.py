@@ -10,12 +10,13 @@ import torch.distributed as dist
 
 from moe_cases import close, global_weights, inputs, run_layer, run_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
-from schemoe._dist import spawn
-from schemoe.autotune import AutoTuner, Trials
-from schemoe.costmodel import prediction, tune
+from schemoe.costmodel import prediction
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import LayerShape
 from schemoe.costmodel.profiles import fit_link
+from schemoe.dist.launch import spawn
+from schemoe.tuning import choose as tune
+from schemoe.tuning.auto import AutoTuner, Trials
 
 E, M, H = 8, 12, 20
 

@@ -11,30 +11,31 @@ import pytest
 
 from schemoe import cli
 from schemoe.bench import cli as bench_cli
-from schemoe.bench import timer
+from schemoe.bench import output
 from schemoe.bench.a2a import parse_size
+from schemoe.dist import timing
 
 
 def test_candidates_run_interleaved_round_by_round_warmup_first():
     calls = []
     cands = {n: (lambda n=n: calls.append(n)) for n in "ABC"}
-    stats = timer.measure(cands, warmup=1, repeats=3)
+    stats = timing.measure(cands, warmup=1, repeats=3)
     assert calls == list("ABC") * 4
     assert set(stats) == set("ABC") and all(len(s.samples_ms) == 3 for s in stats.values())
 
 
 def test_stats_give_median_and_interpolated_p10_p90():
-    s = timer.Stats.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    s = output.Stats.of([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.median_ms, s.p10_ms, s.p90_ms) == (3.0, pytest.approx(1.4), pytest.approx(4.6))
-    assert timer.percentile([7.0], 90) == 7.0
+    assert timing.percentile([7.0], 90) == 7.0
     with pytest.raises(ValueError):
-        timer.Stats.of([])
+        output.Stats.of([])
     with pytest.raises(ValueError, match="repeats"):
-        timer.measure({"A": lambda: None}, repeats=0)
+        timing.measure({"A": lambda: None}, repeats=0)
 
 
 def test_table_aligns_columns_and_shows_none_as_dash():
-    lines = timer.table([{"a": 1.23456, "b": None}, {"a": 10, "b": "x"}], ["a", "b"])
+    lines = output.table([{"a": 1.23456, "b": None}, {"a": 10, "b": "x"}], ["a", "b"])
     assert lines == ["    a  b", "1.235  -", "   10  x"]
 
 

@@ -17,10 +17,11 @@ import torch
 import torch.multiprocessing as mp
 
 import train_cases
-from schemoe import checkpoint, checkpoint_files
-from schemoe import train as T
-from schemoe._dist import spawn
-from schemoe.lm import GPT, GPTConfig, eval_windows, evaluate, load_corpus
+from schemoe.checkpoint import files as checkpoint_files
+from schemoe.checkpoint import store as checkpoint
+from schemoe.dist.launch import spawn
+from schemoe.train import loop as T
+from schemoe.train.model import GPT, GPTConfig, eval_windows, evaluate, load_corpus
 
 
 def tiny(*extra: str):

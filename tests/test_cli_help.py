@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from schemoe import __version__, cli
-from schemoe._cli_util import show_default
+from schemoe.cliargs import show_default
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "schemoe"):

@@ -12,7 +12,7 @@ import torch
 from conftest import registered
 
 from schemoe.collectives import ALGORITHMS, Naive, build
-from schemoe.topology import Topology
+from schemoe.dist.topology import Topology
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
 # world -> ranks_per_node values (nodes x ranks per node) to run on that world's ranks.

@@ -9,10 +9,11 @@ import random
 import pytest
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig, cli
-from schemoe.costmodel import hardware, model, prediction, profiles, tune
+from schemoe.costmodel import hardware, model, prediction, profiles
 from schemoe.costmodel.hardware import Hardware, Link
-from schemoe.planning import resolve
 from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule, search, simulator
+from schemoe.tuning import choose as tune
+from schemoe.tuning.plan import resolve
 
 
 def _hw(**kw) -> Hardware:

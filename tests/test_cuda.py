@@ -28,10 +28,10 @@ from schemoe import (
     ParallelConfig,
     ScheduleConfig,
     compression,
-    devices,
 )
-from schemoe._dist import spawn
-from schemoe.experts import BatchedFFN
+from schemoe.dist import devices
+from schemoe.dist.launch import spawn
+from schemoe.experts.ffn import BatchedFFN
 
 pytestmark = [
     pytest.mark.cuda,

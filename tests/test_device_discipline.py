@@ -20,15 +20,15 @@ from schemoe import (
     MoELayer,
     ParallelConfig,
     ScheduleConfig,
-    checkpoint,
-    devices,
 )
-from schemoe.autotune import AutoTuner
+from schemoe.checkpoint import store as checkpoint
 from schemoe.costmodel.hardware import preset
-from schemoe.lm import GPT, GPTConfig, evaluate
-from schemoe.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
-from schemoe.probe.measure import measure
-from schemoe.topology import Topology
+from schemoe.dist import devices
+from schemoe.dist.topology import Topology
+from schemoe.layer.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
+from schemoe.train.model import GPT, GPTConfig, evaluate
+from schemoe.tuning.auto import AutoTuner
+from schemoe.tuning.measure import measure
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
 POLICIES = ("sequential", "tutel", "schemoe", "fastermoe", "auto", "search")

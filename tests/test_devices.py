@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemoe import devices, init_expert_parallel
-from schemoe.topology import launcher_local_rank
+from schemoe import init_expert_parallel
+from schemoe.dist import devices
+from schemoe.dist.topology import launcher_local_rank
 
 
 def test_without_torch_distributed_the_backend_is_gloo_and_the_device_the_cpu():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from schemoe._dist import spawn
 from schemoe.config import GateConfig
-from schemoe.dispatcher import TokenDispatcher
-from schemoe.gating import route
-from schemoe.topology import Topology
+from schemoe.dist.launch import spawn
+from schemoe.dist.topology import Topology
+from schemoe.layer.dispatcher import TokenDispatcher
+from schemoe.routing import route
 
 E, M = 4, 8
 

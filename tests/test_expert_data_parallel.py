@@ -20,11 +20,11 @@ from schemoe import (
     MoELayer,
     ParallelConfig,
     ScheduleConfig,
-    checkpoint,
 )
-from schemoe.autotune import TUNED, AutoTuner
+from schemoe.checkpoint import store as checkpoint
 from schemoe.costmodel.hardware import preset
-from schemoe.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
+from schemoe.layer.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
+from schemoe.tuning.auto import TUNED, AutoTuner
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
 POLICIES = ("sequential", "tutel", "schemoe", "fastermoe")

@@ -17,15 +17,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from schemoe import checkpoint, collectives, failures
-from schemoe import train as T
-from schemoe._dist import free_port, init_process_group, set_launcher_env, spawn
+from schemoe import collectives
+from schemoe.checkpoint import store as checkpoint
 from schemoe.collectives import ALGORITHMS
-from schemoe.gradsync import GRAD_SYNCS
-from schemoe.layer import MoELayer
-from schemoe.lm import GPT, GPTConfig
-from schemoe.topology import Topology
-from schemoe.train_report import finite_or_none
+from schemoe.dist import failures
+from schemoe.dist.launch import free_port, init_process_group, set_launcher_env, spawn
+from schemoe.dist.topology import Topology
+from schemoe.layer.moe import MoELayer
+from schemoe.step.gradsync import GRAD_SYNCS
+from schemoe.train import loop as T
+from schemoe.train.model import GPT, GPTConfig
+from schemoe.train.report import finite_or_none
 from train_cases import TINY
 
 TIMEOUT = 4.0  # the collective timeout (--timeout) of these runs, seconds
@@ -212,7 +214,7 @@ class _NoBackendGroup:
 def _subgroup_timeouts(rank: int, world: int) -> tuple:
     import warnings
 
-    from schemoe import topology
+    from schemoe.dist import topology
 
     fallback = topology.Topology(world=1, rank=0, ranks_per_node=1, group=_NoBackendGroup())
     from_default = fallback.timeout()

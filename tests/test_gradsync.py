@@ -9,19 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from schemoe import (
-    CollectiveConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    MoELayer,
-    ScheduleConfig,
-)
-from schemoe._dist import spawn
+from schemoe import CollectiveConfig, ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
 from schemoe.collectives import ALGORITHMS, Done
-from schemoe.gradsync import data_parallel
-from schemoe.parallel import ddp_ignore_experts, expert_parameters
+from schemoe.dist.launch import spawn
+from schemoe.layer.parallel import ddp_ignore_experts, expert_parameters
 from schemoe.scheduling.background import Background
+from schemoe.step.gradsync import data_parallel
 
 
 class _Fake:

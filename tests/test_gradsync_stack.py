@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
-from schemoe.gradsync import data_parallel
-from schemoe.lm import GPT, GPTConfig
-from schemoe.parallel import ddp_ignore_experts
+from schemoe.layer.parallel import ddp_ignore_experts
+from schemoe.step.gradsync import data_parallel
+from schemoe.train.model import GPT, GPTConfig
 
 
 def _grads(rank, world, sync, algorithm, early=True, outside=False, accum=False):

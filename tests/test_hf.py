@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from moe_cases import close
-from schemoe._dist import spawn
-from schemoe.hf import from_hf_block, replace_moe_blocks, to_schemoe_experts
+from schemoe.dist.launch import spawn
+from schemoe.integrations.hf import from_hf_block, replace_moe_blocks, to_schemoe_experts
 
 transformers = pytest.importorskip("transformers")
 

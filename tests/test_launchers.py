@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from schemoe._dist import free_port
+from schemoe.dist.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["--device", "cpu", "--ep-size", "1", "--steps", "2", "--eval-seqs", "0", "--layers", "2",

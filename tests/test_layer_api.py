@@ -18,7 +18,7 @@ from schemoe import (
     ddp_ignore_experts,
     expert_parameters,
 )
-from schemoe._dist import spawn
+from schemoe.dist.launch import spawn
 
 
 def cfg(E=4, k=2, f=1.0, M=8, H=16, **kw):

@@ -7,14 +7,7 @@ import pytest
 import torch
 
 from moe_cases import global_weights, inputs, run_layer, run_reference
-from schemoe import (
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    MoELayer,
-    ScheduleConfig,
-)
+from schemoe import CompressionConfig, ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
 
 # Relative error budget ||layer - reference|| / ||reference|| for outputs and all gradients.
 # From each compressor's stated per-element bound (relative 2^-11 fp16, 2^-8 bf16, ~2^-4 fp8,

@@ -1,29 +1,22 @@
-"""The package's layers (docs/architecture.md): imports point down only, function-level imports
-included, and `import schemoe` loads no planning layer, tuner or tool."""
+"""The package's tiers (schemoe/tiers.py, quoted by docs/architecture.md): imports point down
+only, function-level imports included, and `import schemoe` loads no planning, tuning or tool
+module. `python tests/test_layering.py` prints the tree: folders, modules, lines, and the import
+edges between folders."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from schemoe.tiers import TIERS, tier_of
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "schemoe"
-
-# Bottom up. A module may import from its own layer or any layer below.
-LAYERS = [
-    ("parts", ["config", "registry", "devices", "topology", "trace", "gating", "layout", "experts",
-               "collectives", "compression", "_cli_util", "links", "timing"]),  # _cli_util: a leaf
-    ("scheduling", ["scheduling"]),
-    ("planning", ["costmodel"]),
-    ("layer", ["dispatcher", "region", "layer", "stack_runtime", "stack", "probe", "planning", "autotune", "automicro", "parallel"]),
-    ("training", ["gradsync", "lm", "train", "train_resume", "train_report", "train_args", "checkpoint_files", "_lifeline", "checkpoint", "hf", "failures", "testing", "_dist"]),
-    ("tools", ["profiler", "bench", "testbed", "cli", "__main__"]),
-]  # fmt: skip
-LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 
 
 def _modules() -> dict[str, Path]:
@@ -61,26 +54,49 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return found
 
 
-def _level(mod: str) -> int:
-    parts = mod.split(".")
-    if len(parts) == 1:  # the package itself: the public API, at the layer level
-        return LEVEL["layer"]
-    return LEVEL[parts[1]]
-
-
 MODS = _modules()
 EDGES = {m: _imports(m, p, MODS) for m, p in MODS.items()}
 
 
-def test_every_module_belongs_to_a_layer():
-    unknown = [m for m in MODS if m != "schemoe" and m.split(".")[1] not in LEVEL]
+def _top(mod: str) -> str:
+    """The folder (or root module) a module belongs to."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def tree() -> str:
+    """The package as a table: each folder (or root module) with its tier, module count and
+    lines, then the import edges between folders (how many imports cross each)."""
+    mods, lines = Counter(), Counter()
+    for m, p in MODS.items():
+        mods[_top(m)] += 1
+        lines[_top(m)] += len(p.read_text().splitlines())
+    out = [f"{'folder':14} {'tier':10} {'modules':>7} {'lines':>6}"]
+    for top in sorted(mods, key=lambda t: (tier_of(f"schemoe.{t}") if t != "__init__" else 3, t)):
+        tier = TIERS[tier_of(f"schemoe.{top}") if top != "__init__" else 3][0]
+        out.append(f"{top:14} {tier:10} {mods[top]:7d} {lines[top]:6d}")
+    root = sum(1 for m in MODS if m.count(".") <= 1 and MODS[m].parent == PKG)
+    out.append(f"total: {len(MODS)} modules, {sum(lines.values())} lines, {root} at the root")
+    cross = Counter((_top(m), _top(t)) for m, ts in EDGES.items() for t in ts if _top(m) != _top(t))
+    out.append("imports between folders (from -> to: count):")
+    out += [f"  {a} -> {b}: {n}" for (a, b), n in sorted(cross.items())]
+    return "\n".join(out)
+
+
+def test_every_module_belongs_to_a_tier():
+    unknown = []
+    for m in MODS:
+        try:
+            tier_of(m)
+        except ValueError:
+            unknown.append(m)
     assert unknown == []
 
 
 @pytest.mark.parametrize("mod", sorted(m for m in MODS if m != "schemoe"))
-def test_a_module_imports_only_from_its_layer_or_below(mod):
-    up = sorted(t for t in EDGES[mod] if t != "schemoe" and _level(t) > _level(mod))
-    assert up == [], f"{mod} ({LAYERS[_level(mod)][0]}) imports upward: {up}"
+def test_a_module_imports_only_from_its_tier_or_below(mod):
+    up = sorted(t for t in EDGES[mod] if t != "schemoe" and tier_of(t) > tier_of(mod))
+    assert up == [], f"{mod} ({TIERS[tier_of(mod)][0]}) imports upward: {up}"
 
 
 def test_the_import_graph_has_no_cycle():
@@ -105,19 +121,25 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_layer_imports_nothing_from_the_cost_model_or_the_tuner():
-    bad = [
-        t
-        for t in EDGES["schemoe.layer"]
-        if any(m in t for m in ("costmodel", "planning", "autotune"))
-    ]
+    layer = [m for m in MODS if _top(m) == "layer"]
+    bad = sorted(t for m in layer for t in EDGES[m] if _top(t) in ("costmodel", "tuning"))
     assert bad == []
 
 
-def test_import_schemoe_loads_no_planning_layer_tuner_or_tool():
+def test_the_package_root_keeps_at_most_eight_modules():
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 8, root
+
+
+def test_import_schemoe_loads_no_planning_tuning_or_tool_module():
     code = (
         "import sys, schemoe; print(sorted(m for m in sys.modules if m.startswith('schemoe.') "
-        "and m.split('.')[1] in ('costmodel', 'planning', 'autotune', 'probe', 'profiler', 'bench', 'testbed', "
-        "'cli')))"
+        "and m.split('.')[1] in ('costmodel', 'tuning', 'profile', 'bench', 'testbed', 'cli', "
+        "'train')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+if __name__ == "__main__":
+    print(tree())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemoe.gating.router import Routing
-from schemoe.layout import Partition, build_plan, decode, encode
+from schemoe.routing.layout import Partition, build_plan, decode, encode
+from schemoe.routing.router import Routing
 
 # Rank 0 of P = 2, E = 4 (El = 2). Its buffer: e0 rows 0-2, e1 row 3, e2 rows 4-5, e3 rows 6-7.
 COUNTS = (3, 1, 2, 2)

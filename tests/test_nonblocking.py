@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from schemoe.collectives import build
-from schemoe.topology import Topology
+from schemoe.dist.topology import Topology
 
 LATE = 1.0  # seconds rank 1 waits before it joins the transfer
 

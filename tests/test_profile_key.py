@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig, cli
-from schemoe.autotune import AutoTuner
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import preset
-from schemoe.links import Links
-from schemoe.probe import measure as probe
-from schemoe.probe.measure import UNCALIBRATED
+from schemoe.dist.links import Links
+from schemoe.tuning import measure as probe
+from schemoe.tuning.auto import AutoTuner
+from schemoe.tuning.measure import UNCALIBRATED
 
 SHAPED = Links(inter_bps=4e8)
 RANK_LINKS = Links(inter_bps=3e8, intra_bps=1e8)

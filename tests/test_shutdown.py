@@ -1,4 +1,4 @@
-"""A rank's end: `schemoe._dist.shutdown` drops the groups and algorithm instances this process
+"""A rank's end: `schemoe.dist.launch.shutdown` drops the groups and algorithm instances this process
 cached (`topology.release`) and destroys every process group while the interpreter is alive, and
 running it again is a no-op (spawn's worker runs it after `fn` returns). A group left to the
 interpreter's exit aborted finished testbed ranks with SIGABRT (docs/results/exit_abort_testbed.txt)."""
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from schemoe import _dist, topology
-from schemoe._dist import spawn
 from schemoe.collectives import build
-from schemoe.topology import Topology
+from schemoe.dist import launch as _dist
+from schemoe.dist import topology
+from schemoe.dist.launch import spawn
+from schemoe.dist.topology import Topology
 
 
 def _cache_then_shutdown(rank: int, world: int) -> tuple[int, int, bool]:

@@ -19,9 +19,9 @@ from schemoe import (
     ParallelConfig,
     ScheduleConfig,
 )
-from schemoe.lm import GPT, GPTConfig, _Attention
-from schemoe.stack import MoEStack, Stage, run_stack
-from schemoe.testing import reference_moe
+from schemoe.layer.reference import reference_moe
+from schemoe.step.stack import MoEStack, Stage, run_stack
+from schemoe.train.model import GPT, GPTConfig, _Attention
 
 E, M, H, B, L = 8, 12, 20, 4, 5
 
@@ -39,7 +39,7 @@ def cfg(
 
 
 class Attn(nn.Module):
-    """A pre stage as in schemoe.lm: pre-norm attention with its residual, then the MoE norm."""
+    """A pre stage as in schemoe.train.model: pre-norm attention with its residual, then the MoE norm."""
 
     def __init__(self) -> None:
         super().__init__()

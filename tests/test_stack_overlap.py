@@ -18,7 +18,7 @@ from schemoe import (
     trace,
 )
 from schemoe.collectives import ALGORITHMS
-from schemoe.stack import Stage, run_stack
+from schemoe.step.stack import Stage, run_stack
 
 M = 12
 

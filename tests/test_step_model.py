@@ -11,7 +11,7 @@ from schemoe import cli
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.costmodel.step import StepShape, _buckets, allreduce_time, predict_step
-from schemoe.profiler.steps import is_step_row, point
+from schemoe.profile.steps import is_step_row, point
 
 SHAPE = StepShape(batch=4, seq_len=32, model_dim=64, hidden=128, layers=4, experts=4)
 

@@ -34,7 +34,7 @@ def _child(phase: str, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from schemoe.topology import Topology
+    from schemoe.dist.topology import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 from schemoe import clip_grad_norm_
-from schemoe import train as T
-from schemoe._dist import spawn
 from schemoe.config import (
     CollectiveConfig,
     CompressionConfig,
@@ -25,9 +23,11 @@ from schemoe.config import (
     ParallelConfig,
     ScheduleConfig,
 )
-from schemoe.lm import GPT, GPTConfig
-from schemoe.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
-from schemoe.train_report import Progress
+from schemoe.dist.launch import spawn
+from schemoe.layer.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
+from schemoe.train import loop as T
+from schemoe.train.model import GPT, GPTConfig
+from schemoe.train.report import Progress
 from train_cases import TINY, tiny
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemoe import train as T
+from schemoe.train import loop as T
 from train_cases import tiny
 
 ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")

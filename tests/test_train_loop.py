@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig, cli
-from schemoe import train as T
-from schemoe import train_args as TA
-from schemoe._dist import spawn
-from schemoe.train_resume import apply_resume
+from schemoe.dist.launch import spawn
+from schemoe.train import args as TA
+from schemoe.train import loop as T
+from schemoe.train.resume import apply_resume
 from train_cases import tiny
 
 EXACT = ("--capacity-factor", "0", "--aux-loss-weight", "0", "--eval-seqs", "0")

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from schemoe import train as T
-from schemoe.train_args import check_args
+from schemoe.train import loop as T
+from schemoe.train.args import check_args
 from train_cases import tiny
 
 # Dropless (default aux loss weight): the same arithmetic up to the order of floating-point sums.

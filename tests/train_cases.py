@@ -3,7 +3,7 @@ all start from, as command-line arguments."""
 
 from __future__ import annotations
 
-from schemoe import train as T
+from schemoe.train import loop as T
 
 TINY = [
     "--device",  # the test ranks are gloo CPU ranks, also on a machine with a GPU

@@ -17,8 +17,9 @@ import re
 import torch
 
 from ..collectives import ALGORITHMS, build
-from ..topology import Topology
-from . import timer
+from ..dist.timing import measure
+from ..dist.topology import Topology
+from . import output
 
 __all__ = ["add_arguments", "bench", "parse_size", "validate"]
 
@@ -89,7 +90,7 @@ def bench(args: argparse.Namespace, env) -> None:
         if topo.nodes > 1:
             cands["naive[intra]"] = run(naive, "intra")
             cands["naive[inter]"] = run(naive, "inter")
-        stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+        stats = measure(cands, warmup=args.warmup, repeats=args.repeats)
         parts = {"limit_ms": None, "intra_ms": None, "inter_ms": None}
         if topo.nodes > 1:
             intra, inter = stats["naive[intra]"].median_ms, stats["naive[inter]"].median_ms
@@ -120,7 +121,7 @@ def bench(args: argparse.Namespace, env) -> None:
         "dtype": "float32",
         "row_bytes": _ROW,
     }
-    head = timer.header("schemoe bench a2a", config, env.topology(topo.world), env.link())
+    head = output.header("schemoe bench a2a", config, env.topology(topo.world), env.link())
     cols = [
         "algorithm",
         "bytes",
@@ -140,4 +141,4 @@ def bench(args: argparse.Namespace, env) -> None:
         "world_size": topo.world,
         "ranks_per_node": topo.ranks_per_node,
     }
-    timer.report(head, rows_out, cols, summary)
+    output.report(head, rows_out, cols, summary)

@@ -1,43 +1,36 @@
 """`schemoe bench a2a|layer|step|compress|report`, and where the ranks of a benchmark come from.
 
 A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env) -> None`
-(collective; it prints through `timer.report`). Its ranks come from one of three places:
+(collective; it prints through `output.report`). Its ranks come from one of three places:
 
 - already launched (torchrun, Slurm, `schemoe testbed run -- schemoe.cli bench ...`): the launcher
   env (RANK, WORLD_SIZE, ...) is there, so this process is one rank and joins the group;
 - `--testbed --ranks-per-node K`: this process launches K ranks per node of the testbed that
   `schemoe testbed up` started, each running `python -m schemoe.bench.cli <name> <args as JSON>`;
-- otherwise `--nproc P` local ranks on plain loopback, spawned by `schemoe._dist.spawn`.
+- otherwise `--nproc P` local ranks on plain loopback, spawned by `schemoe.dist.launch.spawn`.
 
 `schemoe bench compress` is single-process: `schemoe.bench.compress` provides `add_arguments` and
 `run(args) -> dict` (with a "results" list of rows), and this module prints header, table and JSON.
-It is imported when the parser is built and is optional, so the command fails with a clear message
-until that module exists.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from dataclasses import dataclass
 from functools import partial
 
-from .._cli_util import guard
+from ..cliargs import guard
 from ..costmodel.profiles import cache_key
-from ..links import Links
-from ..topology import launcher_local_rank
-from . import regen
+from ..dist.links import Links
+from ..dist.topology import launcher_local_rank
+from . import a2a, compress, layer, output, regen, step
 
 __all__ = ["BenchEnv", "register"]
 
-_MULTI_RANK = {
-    "a2a": "schemoe.bench.a2a",
-    "layer": "schemoe.bench.layer",
-    "step": "schemoe.bench.step",
-}
+_MULTI_RANK = {"a2a": a2a, "layer": layer, "step": step}
 
 
 @dataclass(frozen=True)
@@ -115,7 +108,7 @@ def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) 
         if testbed and world != testbed.nodes * rpn:
             raise ValueError(f"world size {world} != {testbed.nodes} testbed nodes x {rpn} ranks")
     env = BenchEnv(rpn, testbed, launched)
-    importlib.import_module(_MULTI_RANK[name]).bench(args, env)
+    _MULTI_RANK[name].bench(args, env)
 
 
 def _backend(opts: dict) -> str:
@@ -127,7 +120,7 @@ def _joined(name: str, opts: dict) -> None:
     """Run as a rank of a group whose launcher set RANK/WORLD_SIZE/MASTER_* (read only here)."""
     import torch.distributed as dist
 
-    from .._dist import joined
+    from ..dist.launch import joined
 
     with joined(_backend(opts), timeout_s=opts["timeout"]):
         _rank(dist.get_rank(), dist.get_world_size(), name, opts, launched=True)
@@ -135,7 +128,7 @@ def _joined(name: str, opts: dict) -> None:
 
 def _main(name: str, args: argparse.Namespace) -> int:
     opts = {k: v for k, v in vars(args).items() if k != "func"}
-    mod = importlib.import_module(_MULTI_RANK[name])
+    mod = _MULTI_RANK[name]
     mod.validate(args)  # bad names fail here, before any rank starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _joined(name, opts)
@@ -148,7 +141,7 @@ def _main(name: str, args: argparse.Namespace) -> int:
         netns.load()  # a clear error if no testbed is up
         child = ["-m", "schemoe.bench.cli", name, json.dumps(opts)]
         return launch.run(child, args.ranks_per_node, timeout=args.timeout)
-    from .._dist import spawn
+    from ..dist.launch import spawn
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -156,46 +149,27 @@ def _main(name: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _compress(mod, args: argparse.Namespace) -> int:
-    from . import timer
-
-    summary = mod.run(args)
+def _compress(args: argparse.Namespace) -> int:
+    summary = compress.run(args)
     rows = summary.get("results", [])
     columns = list(rows[0]) if rows else []
     config = {k: v for k, v in vars(args).items() if k not in ("func", "command", "bench")}
-    head = timer.header("schemoe bench compress", config, "one process", "none (local codec)")
-    timer.report(head, rows, columns, summary)
+    head = output.header("schemoe bench compress", config, "one process", "none (local codec)")
+    output.report(head, rows, columns, summary)
     return 0
-
-
-def _missing(args: argparse.Namespace) -> int:
-    print("schemoe bench compress: not available yet (schemoe/bench/compress.py, from the "
-          "compression issue, has not landed)", file=sys.stderr)  # fmt: skip
-    return 2
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: median, p10/p90, one JSON line")
     sub = p.add_subparsers(dest="bench", required=True)
-    for name, modname in _MULTI_RANK.items():
-        mod = importlib.import_module(modname)
+    for name, mod in _MULTI_RANK.items():
         sp = sub.add_parser(name, help=mod.__doc__.splitlines()[0])
         _add_launch_arguments(sp)
         mod.add_arguments(sp)
         sp.set_defaults(func=guard("schemoe bench", partial(_main, name)))
-    # Imported here, not at module import, and optional: it may not exist yet.
-    try:
-        compress = importlib.import_module("schemoe.bench.compress")
-    except ModuleNotFoundError as e:
-        if e.name != "schemoe.bench.compress":
-            raise
-        cp = sub.add_parser("compress", help="compressor throughput and error (not yet here)")
-        cp.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-        cp.set_defaults(func=_missing)
-    else:
-        cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
-        compress.add_arguments(cp)
-        cp.set_defaults(func=guard("schemoe bench", partial(_compress, compress)))
+    cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
+    compress.add_arguments(cp)
+    cp.set_defaults(func=guard("schemoe bench", _compress))
     rp = sub.add_parser("report", help=regen.__doc__.splitlines()[0])
     regen.add_arguments(rp)
     rp.set_defaults(func=guard("schemoe bench", regen.run))

@@ -2,7 +2,7 @@
 
 For every registered compressor (zfp only if zfpy imports): encode and decode throughput in GB/s
 of the uncompressed fp32 input (median over --repeats, candidates interleaved A B C A B C ...
-after --warmup rounds, by the shared `timer.measure`), ratio = input bytes / wire bytes, and the
+after --warmup rounds, by the shared `output.measure`), ratio = input bytes / wire bytes, and the
 max abs and RMS error of decode(encode(x)) against x. The activations are [rows, cols] fp32:
 half GELU of gaussians (an expert's hidden layer), half layer-normed rows with a few outlier
 channels (the hidden state an MoE layer dispatches).
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..compression import COMPRESSORS, Compressor, build
-from . import timer
+from ..dist.timing import measure
+from . import output
 
 __all__ = ["activations", "add_arguments", "main", "run"]
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
         candidates[f"{name}:decode"] = _timed(
             lambda c=c, b=payloads[name]: c.decode(b, torch.float32, args.cols), device
         )
-    stats = timer.measure(candidates, warmup=args.warmup, repeats=args.repeats)
+    stats = measure(candidates, warmup=args.warmup, repeats=args.repeats)
     gb = x_NM.nbytes / 1e9
     for name, c in comps.items():
         err_NM = (c.decode(payloads[name], torch.float32, args.cols) - x_NM).double()
@@ -123,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     summary = run(args)
     config = {k: v for k, v in vars(args).items()}
-    head = timer.header("schemoe bench compress", config, "one process", "none (local codec)")
+    head = output.header("schemoe bench compress", config, "one process", "none (local codec)")
     rows = summary["results"]
-    timer.report(head, rows, list(rows[0]) if rows else [], summary)
+    output.report(head, rows, list(rows[0]) if rows else [], summary)
     return 0
 
 

@@ -34,16 +34,17 @@ import torch
 import torch.distributed as dist
 
 from .. import config as c
-from ..autotune import TUNED, AutoTuner
 from ..collectives import ALGORITHMS
 from ..compression import COMPRESSORS
 from ..costmodel.prediction import predict_ms
-from ..devices import comm_device, control_zeros
-from ..gating.router import capacity
-from ..layer import MoELayer
-from ..layout import Partition
+from ..dist.devices import comm_device, control_zeros
+from ..dist.timing import measure
+from ..layer.moe import MoELayer
+from ..routing.layout import Partition
+from ..routing.router import capacity
 from ..scheduling import POLICIES
-from . import parts, timer
+from ..tuning.auto import TUNED, AutoTuner
+from . import output, parts
 
 __all__ = ["add_arguments", "bench", "validate"]
 
@@ -221,7 +222,7 @@ def _trace(folder: str, layers: dict, x: torch.Tensor, g: torch.Tensor) -> None:
     """One traced forward+backward step per candidate (collective: every rank takes part)."""
     os.makedirs(folder, exist_ok=True)
     for name, layer in layers.items():
-        timer.traced(_step(layer, x, g), folder, name)
+        output.traced(_step(layer, x, g), folder, name)
 
 
 def bench(args: argparse.Namespace, env) -> None:
@@ -269,7 +270,7 @@ def _bench(args: argparse.Namespace, env) -> None:
         cands[name]()  # policy "search" decides on its first call
         while tuner.tuning:  # policy "auto": its trials run first (same calls on every rank)
             cands[name]()
-    stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+    stats = measure(cands, warmup=args.warmup, repeats=args.repeats)
     if args.trace:
         _trace(args.trace, layers, x, g)
 
@@ -295,7 +296,7 @@ def _bench(args: argparse.Namespace, env) -> None:
     config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden_dim", "top_k", "dtype")}
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
-    head = timer.header("schemoe bench layer", config, env.topology(world), env.link())
+    head = output.header("schemoe bench layer", config, env.topology(world), env.link())
     trials = [row for tuner in tuners.values() for row in tuner.report]
     measured = [row for tuner in tuners.values() for row in tuner.measured]
     head += [f"# auto profile (one-time, no profile stored): {m}" for m in measured]
@@ -319,4 +320,4 @@ def _bench(args: argparse.Namespace, env) -> None:
         "profile_key": env.profile_key(world),
     }
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
-    timer.report(head, rows + part_rows, cols, summary)
+    output.report(head, rows + part_rows, cols, summary)

@@ -18,8 +18,8 @@ import torch
 
 from .. import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
 from ..collectives.base import Done
+from ..dist.timing import Stats
 from ..scheduling import TaskGraph, execute, make_schedule
-from .timer import Stats
 
 
 class _NoOp:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..collectives import AllToAll
-from ..topology import Topology
+from ..dist.topology import Topology
 
 __all__ = ["algorithm", "compute_bound", "host_cores", "host_ranks", "one_at_a_time"]
 

@@ -36,14 +36,15 @@ from torch import nn
 
 from .. import config as c
 from .. import trace
-from ..autotune import TUNED, AutoTuner
 from ..collectives import ALGORITHMS
-from ..gating.router import capacity
-from ..gradsync import COMPRESS, SYNCS, data_parallel
-from ..lm import GPT, GPTConfig
-from ..parallel import clip_grad_norm_, ddp_ignore_experts, dense_parameters
+from ..dist.timing import measure
+from ..layer.parallel import clip_grad_norm_, ddp_ignore_experts, dense_parameters
+from ..routing.router import capacity
 from ..scheduling import POLICIES
-from . import parts, timer
+from ..step.gradsync import COMPRESS, SYNCS, data_parallel
+from ..train.model import GPT, GPTConfig
+from ..tuning.auto import TUNED, AutoTuner
+from . import output, parts
 from .layer import _deepspeed, check_optional
 
 __all__ = ["add_arguments", "bench", "validate"]
@@ -227,7 +228,7 @@ def _trace(folder: str, steps: dict, cores: dict) -> None:
     os.makedirs(folder, exist_ok=True)
     for name, step in steps.items():
         hooks = _spans(cores[name])
-        timer.traced(step, folder, name)
+        output.traced(step, folder, name)
         for h in hooks:
             h.remove()
 
@@ -287,7 +288,7 @@ def bench(args: argparse.Namespace, env) -> None:
     for comp in dict.fromkeys(args.grad_compress):
         dtype = COMPRESS[comp] or torch.float32
         cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
-    stats = timer.measure(cands, warmup=args.warmup, repeats=args.repeats)
+    stats = measure(cands, warmup=args.warmup, repeats=args.repeats)
     if args.trace:
         _trace(args.trace, {n: cands[n] for n in cores}, cores)
 
@@ -309,7 +310,7 @@ def bench(args: argparse.Namespace, env) -> None:
                "algorithm": args.algorithm, "bucket_mb": args.bucket_mb,
                "grad_algorithm": args.grad_algorithm, "warmup": args.warmup,
                "repeats": args.repeats}  # fmt: skip
-    head = timer.header("schemoe bench step", config, env.topology(world), env.link())
+    head = output.header("schemoe bench step", config, env.topology(world), env.link())
     nets = {k.split(":")[-1]: v.median_ms for k, v in stats.items() if k.startswith("parts:net")}
     head.append(
         f"# parts: compute1 {compute1:.1f} ms (one rank alone), compute bound {compute_ms:.1f} ms "
@@ -328,7 +329,7 @@ def bench(args: argparse.Namespace, env) -> None:
     }
     cols = ["policy", "chunks", "micro_chunks", "grad_sync", "grad_compress", "grad_window", "median_ms",
             "p10_ms", "p90_ms", "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
-    timer.report(head, rows, cols, summary)
+    output.report(head, rows, cols, summary)
 
 
 def _peer_args(args) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """All-to-all algorithms: a registry of plug-ins (see base.py for the protocol)."""
 
-from ..topology import Topology, per_world
+from ..dist.topology import Topology, per_world
 from .base import ALGORITHMS, AllToAll, Done, Pending, check_splits
 from .hier2d import Hier2D
 from .leader import Leader

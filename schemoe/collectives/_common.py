@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ..devices import control_tensor, issues_from_worker_thread
-from ..topology import Topology
+from ..dist.devices import control_tensor, issues_from_worker_thread
+from ..dist.topology import Topology
 from .base import Done, check_splits
 
 __all__ = [

@@ -17,7 +17,7 @@ timeout if a peer never arrives. A collective never compresses; compression is t
 
 Issue rules every algorithm follows (DESIGN.md, "Devices and scale-out rules"):
   * devices: every tensor handed to torch.distributed lives on the backend's device; control
-    tensors (splits, counts) are made by `schemoe.devices.control_tensor`;
+    tensors (splits, counts) are made by `schemoe.dist.devices.control_tensor`;
   * communicators: an algorithm moves rows on sub-groups of its own (`Topology.subgroup` with a
     tag), never on the default group that DDP/FSDP all-reduce on; sub-groups of an
     expert-parallel group are created for every sibling group on every rank, in the same order;

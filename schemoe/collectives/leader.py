@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..topology import Topology
+from ..dist.topology import Topology
 from ._common import CommThread, Threaded, exchange, gather_splits, node_group, permute_blocks
 from .base import ALGORITHMS
 

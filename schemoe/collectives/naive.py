@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology
+from ..dist.topology import Topology
 from .base import ALGORITHMS, Done, check_splits
 
 __all__ = ["Naive", "Work"]

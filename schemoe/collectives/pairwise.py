@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology
+from ..dist.topology import Topology
 from ._common import CommThread, Threaded, offsets
 from .base import ALGORITHMS
 

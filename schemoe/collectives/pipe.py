@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..topology import Topology
+from ..dist.topology import Topology
 from ._common import check_link, node_group, offsets, output_buffer
 from .base import ALGORITHMS, Done, check_splits
 

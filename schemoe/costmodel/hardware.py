@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
-from ..links import Links
+from ..dist.links import Links
 
 __all__ = ["PRESETS", "Hardware", "Link", "preset"]
 

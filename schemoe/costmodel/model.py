@@ -25,7 +25,7 @@ import torch
 
 from .. import compression
 from ..config import ExpertConfig, GateConfig
-from ..layout import Partition
+from ..routing.layout import Partition
 from ..scheduling import Direction, Task, TaskCosts, TaskGraph
 from .hardware import Hardware
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import MoEConfig
-from ..links import Links
+from ..dist.links import Links
 from ..scheduling import POLICIES, Direction, TaskGraph, make_schedule, simulator
 from . import profiles
 from .hardware import Hardware

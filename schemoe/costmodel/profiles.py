@@ -1,9 +1,9 @@
 """Profiles: the fits that turn measured samples into a `Hardware` record, and the JSON store of
-records by topology. Pure functions and file I/O; the measuring is `schemoe.profiler`'s.
+records by topology. Pure functions and file I/O; the measuring is `schemoe.profile`'s.
 
 A record is cached in a JSON file (`schemoe profile --path FILE`; by default DEFAULT_PATH,
 ~/.cache/schemoe/profiles.json) under the key `cache_key(nodes, ranks_per_node, links)`,
-"NODESxRANKS@inter=RATE,intra=RATE" (rates in bit/s, or "unshaped"; `schemoe.links.Links`): the
+"NODESxRANKS@inter=RATE,intra=RATE" (rates in bit/s, or "unshaped"; `schemoe.dist.links.Links`): the
 topology and the link rates it was measured under. Every reader names the key it wants (a run's
 is `cache_key` of its topology and `Links.of_run()`) and gets that record or none: a profile of
 another link rate is never used in its place. Files with the old keys ("NxR@RATE") still read,
@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from ..links import Links
+from ..dist.links import Links
 from .hardware import Hardware, Link
 
 __all__ = [

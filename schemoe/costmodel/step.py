@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..layout import Partition
+from ..routing.layout import Partition
 from ..scheduling import POLICIES
 from .hardware import Hardware
 from .model import LayerShape, copy_time

@@ -6,17 +6,7 @@ from .executor import execute
 from .policies import POLICIES, Policy, fifo_links, make_schedule, register_policy
 from .simulator import TaskCosts, run
 from .stack import STACK_POLICIES, StackGraph, make_stack_schedule, stack_task_costs
-from .tasks import (
-    COMPUTE,
-    Direction,
-    Kind,
-    Partition,
-    Phase,
-    Schedule,
-    Task,
-    TaskGraph,
-    walk,
-)
+from .tasks import COMPUTE, Direction, Kind, Partition, Phase, Schedule, Task, TaskGraph, walk
 
 __all__ = [
     "COMPUTE",

@@ -37,7 +37,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..layout import Partition
+from ..routing.layout import Partition
 
 __all__ = [
     "COMPUTE",

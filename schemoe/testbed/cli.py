@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._cli_util import guard
+from ..cliargs import guard
 from . import launch, netns
 
 __all__ = ["register"]

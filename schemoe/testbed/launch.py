@@ -1,6 +1,6 @@
 """Run K ranks per node of the testbed, each inside its namespace, with torchrun's env.
 
-Rank layout is node-major (rank = node * K + local_rank), as `schemoe.topology` expects. Each
+Rank layout is node-major (rank = node * K + local_rank), as `schemoe.dist.topology` expects. Each
 child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR (rank 0's
 address) and MASTER_PORT like under torchrun, plus two launcher settings: GLOO_SOCKET_IFNAME=eth0
 so gloo binds to the namespace's address, and OMP_NUM_THREADS=1 (torchrun's default for several
@@ -16,7 +16,7 @@ tests/test_testbed.py and tests/test_testbed_ranks.py check both with interface 
 A child that exits non-zero makes the launcher kill the others and return that code; a run that
 outlives `timeout` is killed and returns 124. Nothing waits unbounded. The ranks die with the
 launcher: SIGTERM/SIGHUP to it kill them (then it exits 128 + signal), and each child carries a
-parent-death signal for a launcher killed outright (schemoe._lifeline).
+parent-death signal for a launcher killed outright (schemoe.dist.lifeline).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .._lifeline import on_signals, set_parent_death_signal
+from ..dist.lifeline import on_signals, set_parent_death_signal
 from . import netns
 
 __all__ = ["child_command", "run"]

@@ -42,7 +42,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
-from ..links import INTRA_LINKS, STATE_FILE  # where ranks read it back (Links.of_run)
+from ..dist.links import INTRA_LINKS, STATE_FILE  # where ranks read it back (Links.of_run)
 from .units import parse_latency, parse_rate  # re-exported: the CLI and tools use them here
 
 __all__ = [

@@ -1,0 +1,395 @@
+"""Checkpoints that reshard: save on P ranks, resume on any P' that divides the experts.
+
+Layout of `DIR` (one folder per saved step; `latest` names the newest complete one):
+
+    DIR/latest                 text: "step-00000040"
+    DIR/step-00000040/
+      meta.json                step, world size, run arguments, loss history (written last)
+      dense.pt                 rank 0: every non-expert tensor, model/<name> and optim/<k>/<name>
+      experts-00003.pt         rank r: its experts, one tensor per global expert:
+                               model/<name>[e]    (stacked weights, e.g. ...experts.w1_EMH[5])
+                               model/<...experts.experts.e.rest>   (ModuleExperts: one-rank name)
+                               optim/<k>/<same key>                (AdamW exp_avg, exp_avg_sq, step)
+      rng-00003.pt             rank r: torch and data-generator RNG states
+
+Keys name global experts, so loading is the same for any P': each rank takes the rows of its own
+experts (`MoELayer.expert_slice()`) from whichever expert files hold them (memory-mapped), and its
+optimizer state likewise. RNG states are restored only when P' = P (a different P draws different
+batches anyway). Every file holds plain tensors and is read with `torch.load(weights_only=True)`:
+nothing in a checkpoint can run code. Writes are atomic: all ranks write into `step-N.tmp/`, rank 0
+adds meta.json, renames the folder and only then replaces `latest` (write + fsync + os.replace), so
+a run killed mid-write leaves the previous checkpoint as it was. Multi-node runs need `DIR` on a
+shared filesystem.
+
+`export(src, out)` merges a checkpoint into one file of unsharded tensors (the state_dict of the
+one-rank model) for inference; `load` accepts that file too; `register` adds `schemoe export`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cliargs import guard
+from ..experts.ffn import ModuleExperts
+from ..layer.moe import MoELayer
+from ..layer.parallel import is_expert_param
+from .files import agree as _agree
+from .files import checked, collect_digests, rotate, write_digests
+from .files import fsync_dir as _fsync_dir
+from .files import rank_world as _rank_world
+from .files import read as _read
+from .files import write as _write
+
+__all__ = [
+    "Loaded",
+    "export",
+    "export_model",
+    "load",
+    "load_export",
+    "register",
+    "resolve",
+    "save",
+]
+
+FORMAT, EXPORT_FORMAT = "schemoe-checkpoint/1", "schemoe-export/1"
+_STACKED = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _expert_keys(model: nn.Module) -> dict[str, list[tuple[str, int | None]]]:
+    """Parameter name -> [(storage key, local row or None for the whole tensor)] per expert."""
+    out: dict[str, list[tuple[str, int | None]]] = {}
+    for ln, layer in model.named_modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        first = layer.expert_slice().start
+        pre = f"{ln}." if ln else ""
+        for pn, p in layer.named_parameters():
+            if not is_expert_param(p):
+                continue
+            m = re.fullmatch(r"experts\.experts\.(\d+)\.(.+)", pn)
+            if isinstance(layer.experts, ModuleExperts) and m:
+                out[pre + pn] = [(f"{pre}experts.experts.{first + int(m[1])}.{m[2]}", None)]
+            else:  # stacked: dim 0 is the local expert
+                out[pre + pn] = [(f"{pre}{pn}[{first + i}]", i) for i in range(p.shape[0])]
+    return out
+
+
+def _optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its state_dict index order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def _tensors(folder: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every model/optimizer tensor of a checkpoint folder (memory-mapped), each file checked
+    against meta.json's digests first."""
+    names = ["dense.pt", *(f"experts-{r:05d}.pt" for r in range(int(meta["world_size"])))]
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update(_read(checked(folder, name, meta)))
+    return out
+
+
+def save(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    step: int,
+    rng: dict[str, torch.Tensor] | None = None,
+    meta: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write a checkpoint of `step` into `directory` (collective: every rank calls it).
+
+    Args:
+        directory: the checkpoint folder (created if needed; shared by all ranks).
+        model: the model (a DDP wrapper is unwrapped); optimizer: its optimizer, or None.
+        step: optimizer steps taken so far.
+        rng: this rank's RNG states, e.g. {"torch": torch.get_rng_state(), "data": g.get_state()}.
+        meta: JSON-serialisable extras (run arguments, loss history), stored in meta.json.
+        keep: complete checkpoints to keep (older ones are deleted after the new one is live),
+            besides the newest one whose tensors are all finite (meta.json's "finite"), which
+            is never deleted.
+
+    Returns the folder of the new checkpoint.
+    """
+    model, (rank, world) = _bare(model), _rank_world()
+    root = Path(directory)
+    name = f"step-{step:08d}"
+    tmp = root / f"{name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted write
+        tmp.mkdir()
+    _agree(True)
+    ok, err, finite = True, None, True
+    try:
+        finite, names = _write_rank_files(tmp, model, optimizer, rng, rank)
+        write_digests(tmp, names, rank)
+    except BaseException as e:  # noqa: BLE001 (re-raised below, after telling the others)
+        ok, err = False, e
+    if not _agree(ok):
+        if err is not None:
+            raise err
+        raise RuntimeError(f"checkpoint {tmp}: another rank failed to write its files")
+    finite = _agree(finite)
+    final = root / name
+    if rank == 0:
+        info = {"format": FORMAT, "step": step, "world_size": world, "finite": finite}
+        info.update(meta or {})
+        info["files"] = collect_digests(tmp)
+        _write(json.dumps(info, indent=1), tmp / "meta.json")
+        n = 1
+        while final.exists():  # never rename onto a live checkpoint
+            final, n = root / f"{name}-{n}", n + 1
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write(final.name, root / "latest")
+        rotate(root, keep)
+    _agree(True)
+    return root / (root / "latest").read_text().strip()
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> bool:
+    # a host sync per tensor, at save time only
+    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
+
+
+def _write_rank_files(
+    tmp: Path, model: nn.Module, optimizer, rng, rank: int
+) -> tuple[bool, list[str]]:
+    """Write this rank's files into `tmp`; (whether every model/optimizer tensor is finite,
+    the names of the files written)."""
+    experts = _expert_keys(model)
+    state = optimizer.state if optimizer is not None else {}
+    params = dict(model.named_parameters())
+    dense: dict[str, torch.Tensor] = {}
+    mine: dict[str, torch.Tensor] = {}
+    # clone(): torch.save of a view would store the whole underlying tensor
+    for name, t in model.state_dict().items():
+        if name in experts:
+            for key, i in experts[name]:
+                mine[f"model/{key}"] = (t if i is None else t[i]).detach().clone()
+        else:
+            dense[f"model/{name}"] = t.detach().clone()
+    for name, p in params.items():
+        for k, v in state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(
+                    f"optimizer state {k!r} of {name} is a {type(v).__name__}; "
+                    "only tensor states can be checkpointed"
+                )
+            if name not in experts:
+                dense[f"optim/{k}/{name}"] = v.detach().clone()
+                continue
+            if experts[name][0][1] is not None and v.shape != p.shape:
+                # stacked experts, a state that does not shard like the weight (AdamW's step)
+                mine[f"optim/{k}/{name}"] = v.detach().clone()
+                continue
+            for key, i in experts[name]:
+                mine[f"optim/{k}/{key}"] = (v if i is None else v[i]).detach().clone()
+    files = {"dense.pt": dense} if rank == 0 else {}
+    files[f"experts-{rank:05d}.pt"] = mine
+    if rng is not None:
+        files[f"rng-{rank:05d}.pt"] = dict(rng)
+    for name, tensors in files.items():
+        _write(tensors, tmp / name)
+    return _finite(mine) and (rank != 0 or _finite(dense)), list(files)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What `load` restored: the step, meta.json's contents, and this rank's RNG states (None
+    when the checkpoint was written on a different number of ranks, or is an export)."""
+
+    step: int
+    meta: dict[str, Any]
+    rng: dict[str, torch.Tensor] | None
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint folder `path` names: itself (a step-N folder) or the one its `latest`
+    names. Raises ValueError saying what is missing."""
+    path = Path(path)
+    if (path / "meta.json").exists():
+        return path
+    if (path / "latest").exists():
+        name = (path / "latest").read_text().strip()
+        folder = path / name
+        if not (folder / "meta.json").exists():
+            what = "has no meta.json" if folder.is_dir() else "does not exist"
+            raise ValueError(
+                f"{str(path)!r}: its 'latest' names {name!r}, which {what}; pass one of its "
+                "step-N folders instead"
+            )
+        return folder
+    raise ValueError(f"{str(path)!r} holds no checkpoint (no 'latest' and no meta.json)")
+
+
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> Loaded:
+    """Load a checkpoint folder (its `latest`, or one step-N folder) or an exported file into
+    `model` and `optimizer`, resharding experts to this rank's slice. Every rank calls it; no
+    collective. Raises ValueError when the checkpoint does not fit the model."""
+    model, (rank, world) = _bare(model), _rank_world()
+    path = Path(path)
+    if path.is_file():
+        state, meta = load_export(path)
+        tensors = {f"model/{k}": v for k, v in state.items()}
+        step, rng = int(meta.get("step", 0)), None
+    else:
+        folder = resolve(path)
+        meta = json.loads((folder / "meta.json").read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        tensors, step = _tensors(folder, meta), int(meta["step"])
+        same = meta["world_size"] == world and (folder / f"rng-{rank:05d}.pt").exists()
+        rng = _read(checked(folder, f"rng-{rank:05d}.pt", meta)) if same else None
+    _load_model(model, tensors, path)
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, tensors)
+    return Loaded(step, meta, rng)
+
+
+def _lookup(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """An expert row from a checkpoint (model/name[e]) or from an export (model/name, E rows)."""
+    if key in tensors:
+        return tensors[key]
+    m = _STACKED.match(key)
+    if m and m[1] in tensors:
+        full = tensors[m[1]]
+        if int(m[2]) < full.shape[0]:
+            return full[int(m[2])]
+    raise KeyError(key)
+
+
+def _load_model(model: nn.Module, tensors: dict[str, torch.Tensor], src: Path) -> None:
+    experts = _expert_keys(model)
+    state = {}
+    for name, t in model.state_dict().items():
+        try:
+            if name in experts:
+                rows = [_lookup(tensors, f"model/{key}") for key, _ in experts[name]]
+                state[name] = rows[0] if experts[name][0][1] is None else torch.stack(rows)
+            else:
+                state[name] = tensors[f"model/{name}"]
+        except KeyError as e:
+            raise ValueError(
+                f"{src} has no {e.args[0]!r} for {name}: written for another model "
+                "(layers, experts or expert type differ)?"
+            ) from None
+        if state[name].shape != t.shape:
+            raise ValueError(
+                f"{src}: {name} has shape {tuple(state[name].shape)}, the model "
+                f"expects {tuple(t.shape)}"
+            )
+    model.load_state_dict(state)
+
+
+def _load_optimizer(
+    model: nn.Module, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    by_name: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, v in tensors.items():
+        if key.startswith("optim/"):
+            _, k, rest = key.split("/", 2)
+            by_name[rest][k] = v
+    experts = _expert_keys(model)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for idx, name in enumerate(_optim_names(model, opt)):
+        if name not in experts:
+            if name in by_name:
+                state[idx] = {k: v.clone() for k, v in by_name[name].items()}
+            continue
+        keys = experts[name]
+        rows = [by_name.get(key, {}) for key, _ in keys]
+        entry = {k: v.clone() for k, v in by_name.get(name, {}).items()}  # e.g. step
+        if keys[0][1] is None:
+            entry.update({k: v.clone() for k, v in rows[0].items()})
+        else:
+            entry.update({k: torch.stack([row[k] for row in rows]) for k in rows[0]})
+        if entry:
+            state[idx] = entry
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+def export(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Merge checkpoint `src` into one file `out` of unsharded tensors (no collective).
+
+    The file is {"format", "meta" (JSON text), "state"}: `state` is the state_dict of the
+    one-rank model, so `model.load_state_dict(load_export(out)[0])` restores it.
+    """
+    folder = resolve(Path(src))
+    meta = json.loads((folder / "meta.json").read_text())
+    tensors = _tensors(folder, meta)
+    state: dict[str, torch.Tensor] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for key, v in tensors.items():
+        if not key.startswith("model/"):
+            continue
+        key = key[len("model/") :]
+        m = _STACKED.match(key)
+        if m:
+            stacked[m[1]][int(m[2])] = v
+        else:
+            state[key] = v.clone()
+    for name, rows in stacked.items():
+        if sorted(rows) != list(range(len(rows))):
+            raise ValueError(f"{folder}: experts of {name} are incomplete: have {sorted(rows)}")
+        state[name] = torch.stack([rows[e] for e in range(len(rows))])
+    out = Path(out)
+    _write({"format": EXPORT_FORMAT, "meta": json.dumps(meta), "state": state}, out)
+    return out
+
+
+def export_model(
+    model: nn.Module, out: str | os.PathLike, *, step: int = 0, meta: dict[str, Any] | None = None
+) -> Path | None:
+    """Export a live (possibly expert-parallel) model to one file (collective: each rank writes
+    its experts next to `out`, rank 0 merges them). Returns the path on rank 0, else None."""
+    out = Path(out)
+    parts = out.with_name(out.name + ".parts")
+    save(parts, model, None, step=step, meta=meta, keep=1)
+    rank, _ = _rank_world()
+    path = export(parts, out) if rank == 0 else None
+    _agree(True)
+    if rank == 0:
+        shutil.rmtree(parts, ignore_errors=True)
+    return path
+
+
+def load_export(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state_dict of the one-rank model, meta) of a file written by `export`."""
+    blob = _read(Path(path))
+    if not isinstance(blob, dict) or blob.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{path} is not a schemoe export ({EXPORT_FORMAT})")
+    return blob["state"], json.loads(blob["meta"])
+
+
+def register(sub) -> None:
+    """`schemoe export CHECKPOINT OUT`."""
+    p = sub.add_parser("export", help="merge a (sharded) checkpoint into one inference file")
+    p.add_argument("checkpoint", help="checkpoint folder (its latest) or one step-N folder")
+    p.add_argument("out", help="output file")
+    p.set_defaults(func=guard("schemoe export", _export_command))
+
+
+def _export_command(a) -> int:
+    print(export(a.checkpoint, a.out))
+    return 0

@@ -1,0 +1,1 @@
+"""Expert feed-forward networks, sharded over the expert-parallel group (ffn.py)."""

@@ -1,0 +1,1 @@
+"""Bridges to other libraries' models: Hugging Face MoE blocks (hf.py)."""

@@ -1,0 +1,93 @@
+"""A single-process MoE with the same math as MoELayer, written as plainly as possible.
+
+It is the ground truth of the tests: loops over ranks, choices and tokens, one expert at a time,
+no buffers, no all-to-all, no chunks. `xs[r]` holds the tokens of rank r; routing and capacity
+are per rank, as in MoELayer (each rank routes its own tokens).
+
+`weights` is the unsharded state of MoELayer.global_state(): gate_weight [E, M],
+experts.w1_EMH [E, M, H], experts.w2_EHM [E, H, M] (+ experts.w3_EMH for swiglu,
+experts.b1_EH / experts.b2_EM with bias).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MoEConfig
+
+__all__ = ["reference_moe"]
+
+
+def _expert(x: torch.Tensor, w: dict[str, torch.Tensor], e: int, act: str) -> torch.Tensor:
+    h = x @ w["experts.w1_EMH"][e]
+    if "experts.b1_EH" in w:
+        h = h + w["experts.b1_EH"][e]
+    if act == "relu":
+        a = F.relu(h)
+    elif act == "gelu":
+        a = F.gelu(h)
+    else:
+        a = F.silu(h) * (x @ w["experts.w3_EMH"][e])
+    y = a @ w["experts.w2_EHM"][e]
+    if "experts.b2_EM" in w:
+        y = y + w["experts.b2_EM"][e]
+    return y
+
+
+def reference_moe(
+    xs: list[torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    config: MoEConfig,
+    bias: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Returns (outputs per rank, aux loss per rank). Differentiable in xs and weights."""
+    g = config.gate
+    E, k = g.num_experts, g.top_k
+    ys, auxes = [], []
+    for x in xs:
+        T = x.shape[0]
+        logits = x.float() @ weights["gate_weight"].float().t()
+        probs = torch.softmax(logits, dim=-1)
+        select = probs.detach() if bias is None else probs.detach() + bias
+        choice = torch.topk(select, k, dim=-1).indices
+        w = probs.gather(1, choice)
+        if g.renormalize:
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+        if g.priority == "score":
+            order = sorted(range(T), key=lambda t: -float(probs[t].max()))
+        else:
+            order = list(range(T))
+        cap = math.inf if g.dropless else math.ceil(g.capacity_factor * k * T / E)
+        # Which (token, choice) pairs keep a slot: first choices of all tokens, then second...
+        filled = [0] * E
+        kept: list[tuple[int, int, int]] = []  # (token, choice, expert)
+        for j in range(k):
+            for t in order:
+                e = int(choice[t, j])
+                if filled[e] < cap:
+                    filled[e] += 1
+                    kept.append((t, j, e))
+        y = torch.zeros(T, x.shape[1], dtype=torch.float32)
+        for e in range(E):
+            mine = [(t, j) for t, j, ee in kept if ee == e]
+            if not mine:
+                continue
+            out = _expert(x[[t for t, _ in mine]], weights, e, config.experts.activation)
+            for n, (t, j) in enumerate(mine):
+                y = y.index_add(0, torch.tensor([t]), (out[n].float() * w[t, j])[None])
+        ys.append(y.to(x.dtype))
+        aux = probs.new_zeros(())
+        if T > 0:
+            frac = torch.zeros(E)
+            for t in range(T):
+                for j in range(k):
+                    frac[int(choice[t, j])] += 1.0 / (T * k)
+            if g.aux_loss_weight > 0:
+                aux = aux + g.aux_loss_weight * E * (frac * probs.mean(0)).sum()
+            if g.z_loss_weight > 0:
+                aux = aux + g.z_loss_weight * (torch.logsumexp(logits, -1) ** 2).mean()
+        auxes.append(aux)
+    return ys, auxes

@@ -1,0 +1,260 @@
+"""The scheduled MoE region: dispatch all-to-all, experts, combine all-to-all, per chunk, under a
+policy's Schedule, in forward AND backward.
+
+A custom autograd Function wraps the whole region, so backward runs the backward TaskGraph under
+the same policy (per-chunk expert backward overlapping the gradient all-to-alls) instead of
+autograd's ready queue, which would serialise it. Forward compression is straight-through: the
+gradient ignores the rounding of the forward payload (the usual choice; see the compression docs).
+When no gradient is needed (torch.no_grad, inference_mode, or nothing requires grad) the region
+runs the forward schedule alone and builds no expert graph.
+
+Legend: N dispatch-buffer rows of this rank, M model dim, W wire width of a compressed row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import trace
+from ..routing.layout import Chunk
+from ..scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
+from ..scheduling.background import Background
+
+__all__ = [
+    "ChunkRunner",
+    "OrderedSum",
+    "Region",
+    "expert_backward",
+    "expert_forward",
+    "expert_params",
+    "keep_graph",
+    "run_region",
+]
+
+
+@dataclass
+class Region:
+    """Everything one layer call's scheduled region needs (built per call by MoELayer from its
+    resolved configuration and the dispatcher's chunk plan)."""
+
+    plan: Sequence[Chunk]
+    algorithm: Any  # AllToAll
+    forward_compressor: Any
+    backward_compressor: Any
+    experts: nn.Module
+    forward: tuple[TaskGraph, Schedule]
+    backward: tuple[TaskGraph, Schedule]
+    background: Background | None = None  # gradient buckets to post into idle network time
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def links(self) -> tuple[str, ...]:
+        return tuple(self.algorithm.links)
+
+
+class ChunkRunner:
+    """Maps the region tasks of one direction onto tensors (the executor's TaskRunner; the stack
+    runtime runs one per block and micro-chunk). Forward and backward differ only in the source
+    rows, the compressor and what the expert task does: `expert_fn(chunk, rows, counts)`."""
+
+    def __init__(self, region: Region, src_NM: torch.Tensor, comp, expert_fn: Callable) -> None:
+        self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
+        self.multi = len(region.links) > 1
+        self.out: torch.Tensor | None = None
+        self.payload: dict[tuple[int, int], torch.Tensor] = {}
+        self.recv: dict[tuple[int, int], torch.Tensor] = {}
+        self.bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self.dtype: dict[tuple[int, int], torch.dtype] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.cols = src_NM.shape[1]
+
+    def _encode(self, key, x: torch.Tensor) -> None:
+        self.dtype[key] = x.dtype
+        self.payload[key] = self.comp.encode(x)
+
+    def run(self, t: Task) -> None:
+        ch = self.r.plan[t.chunk]
+        key = (t.phase, t.chunk)
+        if t.kind == Kind.C and t.phase == Phase.DISPATCH:
+            x = self.src if ch.send_idx is None else self.src.index_select(0, ch.send_idx)
+            self._encode(key, x)
+        elif t.kind == Kind.D and t.phase == Phase.DISPATCH:
+            x = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
+            self.hidden[t.chunk] = x if ch.perm is None else x.index_select(0, ch.perm)
+        elif t.kind == Kind.E:
+            self.hidden[t.chunk] = self.expert_fn(t.chunk, self.hidden[t.chunk], ch.expert_counts)
+        elif t.kind == Kind.C:
+            y = self.hidden.pop(t.chunk)
+            self._encode(key, y if ch.inv_perm is None else y.index_select(0, ch.inv_perm))
+        else:  # D2: back in this rank's buffer order
+            z = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
+            if ch.send_idx is None:
+                self.out = z
+            else:
+                if self.out is None:
+                    self.out = z.new_empty((self.src.shape[0], self.cols))
+                self.out.index_copy_(0, ch.send_idx, z)
+
+    def start(self, t: Task):
+        ch = self.r.plan[t.chunk]
+        key = (t.phase, t.chunk)
+        x = self.payload[key]
+        send, recv = (
+            (ch.send_splits, ch.recv_splits)
+            if t.phase == Phase.DISPATCH
+            else (ch.recv_splits, ch.send_splits)
+        )
+        if not self.multi:
+            self.payload.pop(key)
+            return self.r.algorithm.start(x, send, recv)
+        if key not in self.bufs:
+            self.bufs[key] = x.new_empty((sum(recv), *x.shape[1:]))
+        return self.r.algorithm.start(x, send, recv, link=t.link, out=self.bufs[key])
+
+    def finish(self, t: Task, result: torch.Tensor) -> None:
+        self.recv[(t.phase, t.chunk)] = result
+
+    def result(self) -> torch.Tensor:
+        if self.out is None:  # no rows at all on this rank
+            return self.src.new_empty((0, self.cols))
+        return self.out
+
+
+def keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph=True). torch says so only
+    through a private function; without it a second backward raises the clear error below."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(probe()) if probe is not None else False
+
+
+def expert_params(experts: nn.Module) -> list[nn.Parameter]:
+    return [p for p in experts.parameters() if p.requires_grad]
+
+
+def expert_forward(region: Region) -> Callable:
+    """The expert task of a forward that will be differentiated: each chunk's expert graph is
+    built on a leaf and kept in `region.saved` for `expert_backward`."""
+
+    def fn(i: int, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        leaf = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = region.experts(leaf, counts)
+        region.saved[i] = (leaf, y)
+        return y.detach()
+
+    return fn
+
+
+def expert_backward(
+    region: Region, params: Sequence[torch.Tensor], keep: bool, on_grads: Callable
+) -> Callable:
+    """The expert task of backward: chunk i's input gradient from its saved graph; the weight
+    gradients go to `on_grads(i, grads)` (one entry per param, None where unused)."""
+
+    def fn(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if i not in region.saved:
+            raise RuntimeError(
+                "this MoE region's backward already ran and freed its expert graphs; to "
+                "run backward through it again, pass retain_graph=True the first time"
+            )
+        leaf, y = region.saved[i] if keep else region.saved.pop(i)
+        grads = torch.autograd.grad(
+            y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
+        )
+        on_grads(i, grads[1:])
+        return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+
+    return fn
+
+
+class OrderedSum:
+    """Per-parameter gradient sums in a fixed order: `expected[p]` lists the keys (tasks) of
+    parameter p's contributions in summation order; one that arrives before the ones ahead of
+    it waits, so the sum's rounding does not depend on the schedule that produced them.
+    `on_final(p)`, if given, runs once parameter p's last expected contribution is in."""
+
+    def __init__(
+        self, n: int, expected: dict[int, list], on_final: Callable[[int], None] | None = None
+    ) -> None:
+        self.expected, self.next, self.on_final = expected, [0] * n, on_final
+        self.pending: list[dict[Any, torch.Tensor | None]] = [{} for _ in range(n)]
+        self.acc: list[torch.Tensor | None] = [None] * n
+        self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
+
+    def put(self, key, idx: Sequence[int], grads) -> None:
+        """Key `key`'s contributions: grads[n] (None where unused) to parameter idx[n]."""
+        for p, g in zip(idx, grads):
+            self.pending[p][key] = g
+            q = self.expected[p]
+            while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
+                self._add(p, self.pending[p].pop(q[self.next[p]]))
+                self.next[p] += 1
+                if self.next[p] == len(q) and self.on_final is not None:
+                    self.on_final(p)
+
+    def _add(self, p: int, g: torch.Tensor | None) -> None:
+        if g is None:
+            return
+        if self.acc[p] is None:
+            self.acc[p] = g  # may alias a buffer autograd passed through: not added into
+        elif self.owned[p]:
+            self.acc[p].add_(g)
+        else:
+            self.acc[p], self.owned[p] = self.acc[p] + g, True
+
+    def total(self, p: int, param: torch.Tensor) -> torch.Tensor:
+        """Parameter p's sum so far (zeros where nothing came)."""
+        return self.acc[p] if self.acc[p] is not None else torch.zeros_like(param)
+
+    def result(self, params) -> list[torch.Tensor]:
+        assert all(not d for d in self.pending), "a gradient arrived out of its expected set"
+        return [self.total(n, p) for n, p in enumerate(params)]
+
+
+class _RegionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
+        out_NM = _run_forward(region, rows_NM, expert_forward(region))
+        ctx.region = region
+        ctx.n_params = len(params)
+        return out_NM
+
+    @staticmethod
+    def backward(ctx, grad_NM: torch.Tensor):
+        region: Region = ctx.region
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "double backward (create_graph=True) through a scheduled MoE region is not "
+                "supported: its backward runs the experts' gradients outside the graph"
+            )
+        keep = keep_graph()  # backward(retain_graph=True): the expert graphs must survive it
+        params = expert_params(region.experts)
+        graph, sched = region.backward
+        # Each chunk's weight gradients, summed in the order its E tasks run.
+        chunks = [t.chunk for t in sched.order["compute"] if t.kind == Kind.E]
+        acc = OrderedSum(len(params), dict.fromkeys(range(len(params)), chunks))
+        idx = list(range(len(params)))
+        expert_bwd = expert_backward(region, params, keep, lambda i, gs: acc.put(i, idx, gs))
+        runner = ChunkRunner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
+        execute(sched, graph, runner, trace.active("backward"), region.background)
+        return (None, runner.result(), *acc.result(params))
+
+
+def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:
+    runner = ChunkRunner(region, rows_NM, region.forward_compressor, expert_fn)
+    graph, sched = region.forward
+    execute(sched, graph, runner, trace.active("forward"), region.background)
+    return runner.result()
+
+
+def run_region(region: Region, rows_NM: torch.Tensor) -> torch.Tensor:
+    """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows."""
+    params = expert_params(region.experts)
+    if not torch.is_grad_enabled() or not (rows_NM.requires_grad or params):
+        return _run_forward(region, rows_NM, lambda i, x, counts: region.experts(x, counts))
+    return _RegionFn.apply(region, rows_NM, *params)

@@ -1,0 +1,105 @@
+"""What `schemoe train` reports as it runs, on rank 0: the progress bar, the per-step metrics
+(JSONL file, TensorBoard), the loss plot, and the summary's JSON-safe values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from ..layer.moe import MoELayer
+
+__all__ = ["Metrics", "Progress", "finite_or_none", "plot"]
+
+
+class Progress:
+    """A one-line text bar, redrawn with '\\r', only when stdout is a terminal."""
+
+    def __init__(self, total: int, on: bool) -> None:
+        self.total, self.on, self.t0, self.shown = total, on and sys.stdout.isatty(), None, 0
+
+    def print(self, text: str) -> None:
+        if self.on and self.shown:
+            sys.stdout.write("\r" + " " * self.shown + "\r")
+            self.shown = 0
+        print(text, flush=True)
+
+    def update(self, step: int, first: int, loss: float) -> None:
+        if not self.on:
+            return
+        self.t0 = self.t0 or time.perf_counter()
+        done = step - first + 1
+        eta = (time.perf_counter() - self.t0) / max(1, done - 1) * (self.total - step)
+        bar = "#" * (30 * step // self.total)
+        text = f"[{bar:<30}] {step}/{self.total}  loss {loss:.4f}  eta {eta:.0f}s"
+        sys.stdout.write("\r" + text.ljust(self.shown))
+        sys.stdout.flush()
+        self.shown = len(text)
+
+    def close(self) -> None:
+        if self.on and self.shown:
+            print(flush=True)
+
+
+class Metrics:
+    """Rank 0's per-step metrics: a JSONL file (--log-file) and TensorBoard scalars
+    (--tensorboard). Routing statistics are rank 0's own tokens (no collective)."""
+
+    def __init__(self, a: argparse.Namespace, moe: list[MoELayer]) -> None:
+        self.moe = moe if (a.log_file or a.tensorboard) else []
+        for m in self.moe:
+            m.record_routing = True
+        self.file = open(a.log_file, "w", encoding="utf-8") if a.log_file else None  # noqa: SIM115
+        self.tb = None
+        if a.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional: checked up front
+
+            self.tb = SummaryWriter(a.tensorboard)
+
+    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict):
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+               "step_ms": parts, "moe": [m.take_routing_stats() for m in self.moe]}  # fmt: skip
+        if self.file:
+            self.file.write(json.dumps(finite_or_none(row)) + "\n")
+            self.file.flush()
+        if self.tb:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{k}", row[k], step)
+            for k, v in parts.items():
+                self.tb.add_scalar(f"step_ms/{k}", v, step)
+            for i, r in enumerate(row["moe"]):
+                if r:
+                    self.tb.add_scalar(f"moe{i}/dropped", r["dropped"], step)
+                    self.tb.add_scalar(f"moe{i}/max_load", max(r["load"]), step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+def plot(losses: list[float], evals: list[list[float]], path: str) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    ax.plot(range(1, len(losses) + 1), losses, label="train")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval (held out)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)", title="schemoe train")
+    ax.legend()
+    fig.savefig(path, dpi=100)
+
+
+def finite_or_none(v):
+    """`v` with every non-finite float replaced by None: the summary line stays valid JSON."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [finite_or_none(x) for x in v]
+    return v

@@ -1,0 +1,107 @@
+"""The cost model's constants that no micro-benchmark isolates, fitted on real layer steps.
+
+`schemoe profile` (measure.py) fits links, GEMMs, copies and codecs from micro-benchmarks, then
+calls `calibrate` to time whole MoE layer steps (forward + backward) at the profiled shape, with
+every rank measuring at once, and solve the model for what those steps add: the fixed cost per
+step, the cost per task, the compute factor and, when CPU ranks share cores, `comm_cpu`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..config import ExpertConfig, GateConfig, MoEConfig, ParallelConfig, ScheduleConfig
+from ..costmodel.hardware import Hardware
+from ..costmodel.model import LayerShape
+from ..costmodel.prediction import predict
+from ..layer.moe import MoELayer
+
+__all__ = ["calibrate"]
+
+
+def _layer(shape, ranks_per_node: int, r: int, group=None):
+    """One training step (forward + backward) of an MoE layer of `shape`, sequential at r chunks."""
+    gate = GateConfig(
+        num_experts=shape.experts, top_k=shape.top_k, capacity_factor=shape.capacity_factor
+    )
+    experts = ExpertConfig(model_dim=shape.model_dim, hidden_dim=shape.hidden_dim)
+    schedule = ScheduleConfig(policy="sequential", chunks=r)
+    parallel = ParallelConfig(ranks_per_node=ranks_per_node)
+    cfg = MoEConfig(gate=gate, experts=experts, parallel=parallel, schedule=schedule)
+    layer = MoELayer(cfg, group=group)
+    x = torch.randn(shape.tokens, shape.model_dim, requires_grad=True)
+
+    def run():
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+
+    return run
+
+
+def _solve(f, target: float, lo: float, hi: float) -> float:
+    """x in [lo, hi] with f(x) = target for an increasing f (bisection; clamped to the ends)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate(
+    hw: Hardware, topo, shape: LayerShape, repeats: int, timed: Callable[[dict, int], dict]
+) -> Hardware:
+    """The constants no micro-benchmark isolates, fitted on real layer steps (forward + backward),
+    all ranks at once:
+
+    - step_overhead: a tiny one-rank layer (T=256, D=64, E=8) at r = 1, minus the model;
+    - compute_factor s and task_overhead o: the layer at `shape` on a one-rank group with a
+      rank's share of the experts, E / P (its all-to-alls are local copies: compute only; tokens
+      such that each expert gets P C rows, the GEMMs a rank runs in the distributed step; top-k
+      at most E / P), at r = 1 and r = 8:
+      t_r = s (m_r + o n_r), with m_r the model's step and n_r its tasks (o >= 0);
+    - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
+      step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores.
+
+    `timed(candidates, repeats)` -> median seconds per candidate (measure.timed).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    solo = [dist.new_group([q]) for q in range(world)][rank]  # collective: all create all
+    tiny = LayerShape(256, 64, 128, 8)
+    El = max(1, shape.experts // world)  # top-k' of E / P, tokens so each expert gets P C rows
+    k = min(shape.top_k, El)
+    T = round(world * shape.capacity * El / ((shape.capacity_factor or 1.0) * k))
+    local = replace(shape, tokens=T, experts=El, top_k=k)
+    cands = {"tiny": _layer(tiny, 1, 1, solo)}
+    cands.update({("solo", r): _layer(local, 1, r, solo) for r in (1, 8)})
+    if world > 1:
+        cands["all"] = _layer(shape, topo.ranks_per_node, 1)
+    times = timed(cands, repeats)
+    one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
+    step = max(0.0, times["tiny"] - predict(one, tiny, "sequential").step_s)
+    one = replace(one, step_overhead=step)
+
+    def model(r, o=0.0):
+        return predict(replace(one, task_overhead=o), local, "sequential", chunks=r).step_s
+
+    (m1, m8), dt = (model(1), model(8)), 1e-4
+    n1, n8 = (model(1, dt) - m1) / dt, (model(8, dt) - m8) / dt
+    t1, t8 = times["solo", 1], times["solo", 8]
+    det = m1 * n8 - m8 * n1
+    s, q = (t1 * n8 - t8 * n1) / det, (m1 * t8 - m8 * t1) / det
+    if q < 0 or s <= 0:  # more chunks cost less than the model says: no per-task cost
+        s, q = (t1 * m1 + t8 * m8) / (m1 * m1 + m8 * m8), 0.0
+    hw = replace(hw, step_overhead=step, task_overhead=q / s, compute_factor=s)
+    if "all" in times and hw.host_cores:
+
+        def seq(w):
+            return predict(replace(hw, comm_cpu=w), shape, "sequential").step_s
+
+        hw = replace(hw, comm_cpu=_solve(seq, times["all"], 0.0, 1.0))
+    return hw
