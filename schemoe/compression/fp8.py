@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import COMPRESSORS, check_input, check_payload, payload_floats, row_chunks
+from .base import COMPRESSORS
+from .rowscaled import RowScaled
 
 __all__ = ["FP8"]
 
@@ -28,45 +29,26 @@ _E4M3_MAX = 448.0
 
 
 @COMPRESSORS.register("fp8")
-class FP8:
+class FP8(RowScaled):
     """e4m3 with a per-row fp32 scale; rows with inf/NaN come back all NaN."""
 
     name = "fp8"
-    lossless = False
+    header = 4  # the row's scale, fp32
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, M] float -> [N, 4 + M] uint8."""
-        x_NM = check_input(self.name, x)
-        n, m = x_NM.shape
-        out_NW = torch.empty(n, 4 + m, dtype=torch.uint8, device=x.device)
-        for rows in row_chunks(n, m):
-            _encode_into(x_NM[rows], out_NW[rows])
-        return out_NW
+    def _encode_into(self, x_nM: torch.Tensor, out_nW: torch.Tensor) -> None:
+        # 1. per-row scale; amax propagates NaN and inf, and such rows get a NaN scale.
+        amax_n1 = x_nM.abs().amax(dim=1, keepdim=True)
+        s_n1 = (amax_n1 / _E4M3_MAX).float()
+        s_n1 = torch.where(torch.isfinite(s_n1), s_n1, torch.nan)
+        # 2. codes; zero (and underflowed) scales divide by 1, so zero rows encode to zeros.
+        q_nM = x_nM / torch.where(s_n1 > 0, s_n1, 1.0)
+        # A subnormal scale can round down, pushing |q| a hair past 448: saturate (NaN stays).
+        q_nM.clamp_(-_E4M3_MAX, _E4M3_MAX)
+        out_nW[:, 4:].view(torch.float8_e4m3fn).copy_(q_nM)
+        out_nW[:, :4] = s_n1.view(torch.uint8)
 
-    def decode(self, b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-        """[N, 4 + cols] uint8 -> [N, cols] dtype."""
-        check_payload(self.name, b, self.wire_bytes(1, cols))
-        s_N1 = payload_floats(b[:, :4])
-        y_NM = b[:, 4:].view(torch.float8_e4m3fn).to(torch.float32).mul_(s_N1)
+    def _decode(
+        self, s_N1: torch.Tensor, codes_NM: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        y_NM = codes_NM.view(torch.float8_e4m3fn).to(torch.float32).mul_(s_N1)
         return y_NM if dtype == torch.float32 else y_NM.to(dtype)
-
-    def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> int:
-        """4 scale bytes plus one byte per value, per row, whatever the input dtype."""
-        return rows * (4 + cols)
-
-
-def _encode_into(x_nM: torch.Tensor, out_nW: torch.Tensor) -> None:
-    """Encode one row chunk [n, M] into its payload rows [n, 4 + M]."""
-    if x_nM.dtype != torch.float64:
-        x_nM = x_nM.float()
-    n, m = x_nM.shape
-    # 1. per-row scale; amax propagates NaN and inf, and such rows get a NaN scale.
-    amax_n1 = x_nM.abs().amax(dim=1, keepdim=True) if m else x_nM.new_zeros(n, 1)
-    s_n1 = (amax_n1 / _E4M3_MAX).float()
-    s_n1 = torch.where(torch.isfinite(s_n1), s_n1, torch.nan)
-    # 2. codes; zero (and underflowed) scales divide by 1, so zero rows encode to zeros.
-    q_nM = x_nM / torch.where(s_n1 > 0, s_n1, 1.0)
-    # A subnormal scale can round down, pushing |q| a hair past 448: saturate (NaN stays).
-    q_nM.clamp_(-_E4M3_MAX, _E4M3_MAX)
-    out_nW[:, 4:].view(torch.float8_e4m3fn).copy_(q_nM)
-    out_nW[:, :4] = s_n1.view(torch.uint8)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import COMPRESSORS, check_input, check_payload, payload_floats, row_chunks
+from .base import COMPRESSORS
+from .rowscaled import RowScaled
 
 __all__ = ["INT8"]
 
@@ -28,53 +29,32 @@ _LEVELS = 255.0
 
 
 @COMPRESSORS.register("int8")
-class INT8:
+class INT8(RowScaled):
     """Per-row min-max uint8 codes; constant rows exact; rows with inf/NaN come back all NaN."""
 
     name = "int8"
-    lossless = False
+    header = 8  # the row's min and scale, fp32 each
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, M] float -> [N, 8 + M] uint8."""
-        x_NM = check_input(self.name, x)
-        n, m = x_NM.shape
-        out_NW = torch.empty(n, 8 + m, dtype=torch.uint8, device=x.device)
-        if m == 0:
-            out_NW.zero_()
-            return out_NW
-        for rows in row_chunks(n, m):
-            _encode_into(x_NM[rows], out_NW[rows])
-        return out_NW
+    def _encode_into(self, x_nM: torch.Tensor, out_nW: torch.Tensor) -> None:
+        # 1. per-row offset and step; min/max propagate NaN, and inf gives a non-finite step.
+        lo_n1, hi_n1 = torch.aminmax(x_nM, dim=1, keepdim=True)
+        step_n1 = ((hi_n1 - lo_n1) / _LEVELS).float()
+        bad_n1 = ~torch.isfinite(step_n1)
+        lo_n1 = torch.where(bad_n1, torch.nan, lo_n1.float())
+        step_n1 = torch.where(bad_n1, torch.nan, step_n1)
+        # 2. codes: (x - min) / step lies in [0, 255 (1 + 2^-22)], so rounding lands in 0..255
+        # with no clamp; constant rows (step 0) and bad rows divide by 1 instead. Bad rows compute
+        # NaN codes and NaN -> uint8 is undefined, so zero them (no host sync).
+        q_nM = torch.sub(x_nM, lo_n1).div_(torch.where(step_n1 > 0, step_n1, 1.0)).round_()
+        q_nM.nan_to_num_(0.0, 0.0, 0.0)
+        out_nW[:, 8:].copy_(q_nM)
+        out_nW[:, :8] = torch.cat([lo_n1, step_n1], dim=1).view(torch.uint8)
 
-    def decode(self, b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-        """[N, 8 + cols] uint8 -> [N, cols] dtype."""
-        check_payload(self.name, b, self.wire_bytes(1, cols))
-        meta_N2 = payload_floats(b[:, :8])
+    def _decode(
+        self, meta_N2: torch.Tensor, codes_NM: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         lo_N1, step_N1 = meta_N2[:, :1], meta_N2[:, 1:]
         if dtype == torch.float32:
-            return torch.addcmul(lo_N1, b[:, 8:], step_N1)
-        y_NM = torch.empty(b.shape[0], cols, dtype=dtype, device=b.device)
-        return torch.addcmul(lo_N1, b[:, 8:], step_N1, out=y_NM)  # computed in fp32, one cast
-
-    def wire_bytes(self, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> int:
-        """8 bytes of min and scale plus one byte per value, per row, whatever the input dtype."""
-        return rows * (8 + cols)
-
-
-def _encode_into(x_nM: torch.Tensor, out_nW: torch.Tensor) -> None:
-    """Encode one row chunk [n, M] (M >= 1) into its payload rows [n, 8 + M]."""
-    if x_nM.dtype != torch.float64:
-        x_nM = x_nM.float()
-    # 1. per-row offset and step; min/max propagate NaN, and inf gives a non-finite step.
-    lo_n1, hi_n1 = torch.aminmax(x_nM, dim=1, keepdim=True)
-    step_n1 = ((hi_n1 - lo_n1) / _LEVELS).float()
-    bad_n1 = ~torch.isfinite(step_n1)
-    lo_n1 = torch.where(bad_n1, torch.nan, lo_n1.float())
-    step_n1 = torch.where(bad_n1, torch.nan, step_n1)
-    # 2. codes: (x - min) / step lies in [0, 255 (1 + 2^-22)], so rounding lands in 0..255
-    # with no clamp; constant rows (step 0) and bad rows divide by 1 instead. Bad rows compute
-    # NaN codes and NaN -> uint8 is undefined, so zero them (no host sync).
-    q_nM = torch.sub(x_nM, lo_n1).div_(torch.where(step_n1 > 0, step_n1, 1.0)).round_()
-    q_nM.nan_to_num_(0.0, 0.0, 0.0)
-    out_nW[:, 8:].copy_(q_nM)
-    out_nW[:, :8] = torch.cat([lo_n1, step_n1], dim=1).view(torch.uint8)
+            return torch.addcmul(lo_N1, codes_NM, step_N1)
+        y_NM = torch.empty(codes_NM.shape, dtype=dtype, device=codes_NM.device)
+        return torch.addcmul(lo_N1, codes_NM, step_N1, out=y_NM)  # computed in fp32, one cast
