@@ -1,6 +1,6 @@
 """Helpers the all-to-all algorithms share: split offsets, link and output-buffer checks, the
-comm thread that drives multi-phase transfers, blocking exchange primitives, and the `start` of
-the algorithms that run on such a thread.
+comm thread that drives multi-phase transfers, blocking exchange primitives, the one `start` of
+the built-in algorithms, and the `_start` of those that run on such a thread.
 
 Issue rule (NCCL): no collective from a worker thread. `Threaded.start` drives the phases on the
 instance's `CommThread` only where `devices.issues_from_worker_thread(group)` (gloo); on NCCL it
@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from ..dist.devices import control_tensor, issues_from_worker_thread
 from ..dist.topology import Topology
-from .base import Done, check_splits
+from .base import Done, Pending, check_splits
 
 __all__ = [
+    "Algorithm",
     "CommThread",
     "Job",
     "Threaded",
@@ -33,6 +34,7 @@ __all__ = [
     "offsets",
     "output_buffer",
     "permute_blocks",
+    "world_group",
 ]
 
 
@@ -86,6 +88,12 @@ def node_group(topology: Topology, tag: str):
         for n in range(topology.nodes)
     ]
     return groups[topology.node]
+
+
+def world_group(topology: Topology, tag: str):
+    """A communicator of the algorithm's own over all ranks (tag `tag`), or None with one rank.
+    Collective: every rank creates it."""
+    return topology.subgroup(tuple(range(topology.world)), tag=tag) if topology.world > 1 else None
 
 
 def permute_blocks(y: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) -> torch.Tensor:
@@ -216,17 +224,17 @@ class CommThread:
         return Job(self._pool.submit(run), done, x.device)
 
 
-class Threaded:
-    """Base of the single-link algorithms whose whole transfer runs on their own `CommThread`.
+class Algorithm:
+    """Base of the built-in algorithms: one `start` checks the arguments alike for all of them
+    and hands `_start(x, send, recv, link, out)` a contiguous `x`, the splits as ints and the
+    checked (or new) result buffer `out`.
 
-    A subclass sets `name`, `links`, `self.topo` and `self._thread`, and implements
-    `_run(x, send, recv, out)`, which moves the rows and fills `out` (called on the thread, or
-    on the calling thread where the backend forbids worker threads: NCCL)."""
+    A subclass sets `name`, `links` and `self.topo`, and implements `_start`, which returns the
+    Pending that fills `out` (only the rows of `link` when one is named)."""
 
     name: str
     links: tuple[str, ...]
     topo: Topology
-    _thread: CommThread
 
     def start(
         self,
@@ -236,15 +244,50 @@ class Threaded:
         *,
         link: str | None = None,
         out: torch.Tensor | None = None,
-    ) -> Done | Job:
-        """Start moving `x` [N, ...] by `send_splits`; the Pending yields [sum(recv_splits), ...]."""
+    ) -> Pending:
+        """Start moving `x` [N, ...] by `send_splits`; the Pending yields `out` [sum(recv_splits),
+        ...].
+
+        Args:
+            link: one of `links` moves only the pairs on that link (for an algorithm with two
+                links), None moves them all.
+            out: the result buffer; required with `link` on a two-link algorithm, since each part
+                fills only its own rows of it.
+        """
         check_link(self.name, link, self.links)
         check_splits(x, send_splits, recv_splits, self.topo.world)
+        if link is not None and len(self.links) > 1 and out is None:
+            raise ValueError(
+                f"{self.name} with link={link!r} fills only part of the result; pass the shared "
+                "buffer as out="
+            )
         out = output_buffer(x, recv_splits, out)
+        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        return self._start(x.contiguous(), send, recv, link, out)
+
+    def _start(
+        self, x: torch.Tensor, send: list[int], recv: list[int], link: str | None, out: torch.Tensor
+    ) -> Pending:
+        raise NotImplementedError
+
+
+class Threaded(Algorithm):
+    """Base of the single-link algorithms whose whole transfer runs on their own `CommThread`.
+
+    A subclass sets `name` and `links`, calls `Threaded.__init__(self, topology)` (which sets
+    `self.topo` and the instance's thread), and implements `_run(x, send, recv, out)`, which
+    moves the rows and fills `out` (called on the thread, or on the calling thread where the
+    backend forbids worker threads: NCCL)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topo = topology
+        self._thread = CommThread(self.name)
+
+    def _start(
+        self, x: torch.Tensor, send: list[int], recv: list[int], link: str | None, out: torch.Tensor
+    ) -> Done | Job:
         if self.topo.world == 1:
             return Done(out.copy_(x))
-        x = x.contiguous()
-        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
         run = lambda: self._run(x, send, recv, out)
         if issues_from_worker_thread(self.topo.group):
             return self._thread.submit(run, x, out)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..dist.topology import Topology
-from ._common import CommThread, Threaded, exchange, gather_splits, node_group, permute_blocks
+from ._common import Threaded, exchange, gather_splits, node_group, permute_blocks
 from .base import ALGORITHMS
 
 __all__ = ["Hier2D"]
@@ -40,7 +40,7 @@ class Hier2D(Threaded):
     links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
-        self.topo = topology
+        super().__init__(topology)
         rpn, world = topology.ranks_per_node, topology.world
         # new_group is collective: every rank creates all of them, in the same order.
         self.node_group = node_group(topology, "hier2d.intra")
@@ -51,7 +51,6 @@ class Hier2D(Threaded):
                 for lr in range(rpn)
             ]
             self.peer_group = peers[topology.local_rank]
-        self._thread = CommThread("hier2d")
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, me = self.topo.ranks_per_node, self.topo.nodes, self.topo.local_rank

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..dist.topology import Topology
-from ._common import CommThread, Threaded, exchange, gather_splits, node_group, permute_blocks
+from ._common import Threaded, exchange, gather_splits, node_group, permute_blocks
 from .base import ALGORITHMS
 
 __all__ = ["Leader"]
@@ -34,7 +34,7 @@ class Leader(Threaded):
     links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
-        self.topo = topology
+        super().__init__(topology)
         rpn, world = topology.ranks_per_node, topology.world
         # new_group is collective: every rank creates all of them (members or not), in order.
         self.node_group = node_group(topology, "leader.intra")
@@ -42,7 +42,6 @@ class Leader(Threaded):
         if topology.nodes > 1:
             leaders = topology.subgroup(tuple(range(0, world, rpn)), tag="leader.inter")
             self.leader_group = leaders if topology.local_rank == 0 else None
-        self._thread = CommThread("leader")
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, world = self.topo.ranks_per_node, self.topo.nodes, self.topo.world

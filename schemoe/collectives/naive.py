@@ -5,13 +5,12 @@ do not queue behind DDP's all-reduce on one communicator."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
 from ..dist.topology import Topology
-from .base import ALGORITHMS, Done, check_splits
+from ._common import Algorithm, world_group
+from .base import ALGORITHMS, Done
 
 __all__ = ["Naive", "Work"]
 
@@ -33,34 +32,18 @@ class Work:
 
 
 @ALGORITHMS.register("naive")
-class Naive:
+class Naive(Algorithm):
     name = "naive"
     links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
         self.topo = topology
-        world = tuple(range(topology.world))
-        self.group = topology.subgroup(world, tag="naive") if topology.world > 1 else None
+        self.group = world_group(topology, "naive")
 
-    def start(
-        self,
-        x: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        *,
-        link: str | None = None,
-        out: torch.Tensor | None = None,
-    ):
-        if link not in (None, "net"):
-            raise ValueError(f"naive uses the link 'net' only, got link={link!r}")
-        check_splits(x, send_splits, recv_splits, self.topo.world)
-        if out is None:
-            out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    def _start(
+        self, x: torch.Tensor, send: list[int], recv: list[int], link: str | None, out: torch.Tensor
+    ) -> Done | Work:
         if self.topo.world == 1:
-            out.copy_(x)
-            return Done(out)
-        x = x.contiguous()
-        work = dist.all_to_all_single(
-            out, x, list(recv_splits), list(send_splits), group=self.group, async_op=True
-        )
+            return Done(out.copy_(x))
+        work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
         return Work(work, out, x)

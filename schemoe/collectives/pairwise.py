@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist.topology import Topology
-from ._common import CommThread, Threaded, offsets
+from ._common import Threaded, offsets, world_group
 from .base import ALGORITHMS
 
 __all__ = ["Pairwise"]
@@ -31,12 +31,10 @@ class Pairwise(Threaded):
     links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
-        self.topo = topology
-        world = tuple(range(topology.world))
+        super().__init__(topology)
         # Its own communicator: ops issued from the comm thread never interleave with ops that
         # other code issues on the default group from the main thread.
-        self.group = topology.subgroup(world, tag="pairwise") if topology.world > 1 else None
-        self._thread = CommThread("pairwise")
+        self.group = world_group(topology, "pairwise")
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         world, rank = self.topo.world, self.topo.rank

@@ -24,14 +24,12 @@ and `start(..., link="inter", out=buf)` fill disjoint rows of one buffer, in eit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
 from ..dist.topology import Topology
-from ._common import check_link, node_group, offsets, output_buffer
-from .base import ALGORITHMS, Done, check_splits
+from ._common import Algorithm, node_group, offsets, world_group
+from .base import ALGORITHMS, Done
 
 __all__ = ["Pipe", "Works"]
 
@@ -55,7 +53,7 @@ class Works:
 
 
 @ALGORITHMS.register("pipe")
-class Pipe:
+class Pipe(Algorithm):
     """Pipe-A2A: node groups for the local link, one world group for the network link."""
 
     name = "pipe"
@@ -65,37 +63,13 @@ class Pipe:
         self.topo = topology
         # new_group is collective: every rank creates every node's group, in node order.
         self.node_group = node_group(topology, "pipe.intra")
-        self.world_group = None
-        if topology.nodes > 1:
-            self.world_group = topology.subgroup(tuple(range(topology.world)), tag="pipe.inter")
+        self.world_group = world_group(topology, "pipe.inter") if topology.nodes > 1 else None
 
-    def start(
-        self,
-        x: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        *,
-        link: str | None = None,
-        out: torch.Tensor | None = None,
+    def _start(
+        self, x: torch.Tensor, send: list[int], recv: list[int], link: str | None, out: torch.Tensor
     ) -> Done | Works:
-        """Start moving `x` [N, ...]; the Pending yields `out` [sum(recv_splits), ...].
-
-        Args:
-            link: "intra" moves the pairs within this node (this rank's own rows included),
-                "inter" the pairs that cross nodes, None both at once.
-            out: the shared result buffer; required with `link`, since each part fills only its
-                own rows of it.
-        """
-        check_link(self.name, link, self.links)
-        check_splits(x, send_splits, recv_splits, self.topo.world)
-        if link is not None and out is None:
-            raise ValueError(
-                f"pipe with link={link!r} fills only part of the result; pass the shared buffer "
-                "as out="
-            )
-        out = output_buffer(x, recv_splits, out)
-        x = x.contiguous()
-        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        """Both parts when `link` is None, else only the "intra" pairs (within this node, this
+        rank's own rows included) or the "inter" pairs (across nodes)."""
         works = []
         if link in (None, "intra"):
             works += self._intra(x, send, recv, out)
