@@ -3,7 +3,7 @@
     python scripts/stack_memory.py [--micro-chunks 1,4] [schemoe train flags...]
 
 For each m, two fresh rank processes each import torch and schemoe, read their resident set
-(`base_mb`, /proc/self/status VmRSS), run `schemoe.train.train` (5 steps by default, no eval,
+(`base_mb`, /proc/self/status VmRSS), run `schemoe.train.loop.train` (5 steps by default, no eval,
 the given flags) and read their peak resident set (`peak_mb`, VmHWM). `train_mb` = peak - base:
 what the run adds (corpus, model, optimizer state, activations and saved graphs, gradients,
 gloo's buffers). Linux only. The last line is one JSON object.

@@ -232,6 +232,19 @@ def test_the_paste_option_writes_every_file_or_none(tmp_path):
         regen.run(_args(paste=[str(good)]))
 
 
+def test_paste_without_files_pastes_into_the_docs_that_hold_the_figures(tmp_path, monkeypatch):
+    a = _run_dir(tmp_path / "a", 440.0, 320.0)
+    b = _run_dir(tmp_path / "b", 380.0, 300.0)
+    monkeypatch.chdir(tmp_path)
+    for name in paste.TARGETS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("no marks\n")
+    (tmp_path / paste.TARGETS[0]).write_text(DOC)
+    regen.run(_args(compare=[str(a), str(b)], paste=[]))  # `--paste` given with no FILE
+    assert "1.38x / 1.27x" in (tmp_path / paste.TARGETS[0]).read_text()
+    assert (tmp_path / paste.TARGETS[1]).read_text() == "no marks\n"
+
+
 def test_commands_are_what_a_user_types_wrapped_at_100_columns():
     for f in FIGURES:
         lines = "\n".join(regen.commands(f)).splitlines()

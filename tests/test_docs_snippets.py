@@ -3,7 +3,8 @@ file in order, in one namespace, single process, CPU), and every `schemoe ...` c
 ```bash block or an indented example parses with the real argparse parser (not run).
 
 A block that cannot run on one process is marked with `<!-- snippet: skip (reason) -->` on the
-line before it."""
+line before it. docs/architecture.md's tier table quotes `schemoe.tiers.TIERS`, the one place the
+order is written: a test holds the two equal."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from schemoe import cli
+from schemoe.tiers import TIERS
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -111,3 +113,21 @@ def test_schemoe_command_line_in_the_docs_parses(where, command):
 
 def test_the_docs_hold_python_blocks_and_schemoe_commands():
     assert len(PYTHON) >= 4 and len(COMMANDS) >= 10
+
+
+def _tier_table(text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(tier, names) per row of the table under "## The tiers, bottom up": its first column and
+    the backticked names of its second, a folder's trailing / dropped."""
+    section = text.split("## The tiers, bottom up", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or cells[0] in ("tier", "") or set(cells[0]) <= set("-"):
+            continue
+        rows.append((cells[0], tuple(n.rstrip("/") for n in re.findall(r"`([^`]+)`", cells[1]))))
+    return rows
+
+
+def test_the_architecture_tier_table_quotes_tiers_in_order():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert _tier_table(text) == [(tier, tuple(names)) for tier, names in TIERS]

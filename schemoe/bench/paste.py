@@ -1,4 +1,4 @@
-"""`schemoe bench report --compare DIR1 DIR2 --paste FILE...`: the two runs' tables into markdown.
+"""`schemoe bench report --compare DIR1 DIR2 --paste [FILE...]`: the two runs' tables into markdown.
 
 A file marks where a figure goes with two HTML comments, each on a line of its own (invisible
 once rendered; the same text inside a line is not a mark); everything
@@ -9,8 +9,10 @@ cells show, the compared table and each claim's verdict), everything outside is 
     ...
     <!-- /report:layer_400mbit -->
 
-So the tables in the README and docs are the report's output, not copies of it: pasting again
-from the same runs changes nothing (a test checks that for the committed files).
+So the tables in the docs are the report's output, not copies of it: pasting again from the same
+runs changes nothing (a test checks that for the committed files). `TARGETS` are the files that
+hold every figure between them (relative to the repository root): `--paste` with no FILE pastes
+into them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["marked", "paste"]
+__all__ = ["TARGETS", "marked", "paste"]
+
+TARGETS = ("docs/results.md", "docs/costmodel.md", "docs/reliability.md")
 
 _OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_]+) -->$", re.MULTILINE)
 _BLOCK = re.compile(

@@ -1,4 +1,4 @@
-"""`schemoe bench report`: regenerate every figure of the README and docs in one run.
+"""`schemoe bench report`: regenerate every figure of docs/results.md and the other docs in one run.
 
 Figures (`schemoe.bench.figures`) run one after another, each command a subprocess
 (`python -m schemoe.cli ...`); a testbed figure brings the testbed up before its commands and
@@ -6,8 +6,8 @@ always down after them. Each command's stdout goes to OUT/<file> under one heade
 time, UTC, and the command), its stderr to OUT/<file>.stderr; OUT/REPORT.md gets per figure the
 commands, the table, the raw files and the wall time. A figure that fails is marked failed there
 and the run goes on. `--compare DIR1 DIR2` puts two runs' tables side by side: a claim stands
-only where it holds in both; with `--paste FILE...` it writes each figure's commands and compared
-table into the files' marked blocks (`schemoe.bench.paste`).
+only where it holds in both; with `--paste [FILE...]` it writes each figure's commands and
+compared table into the files' marked blocks (`schemoe.bench.paste`; no FILE: `paste.TARGETS`).
 """
 
 from __future__ import annotations
@@ -260,17 +260,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="kill a command after S s")
     p.add_argument("--compare", nargs=2, metavar=("DIR1", "DIR2"), default=None,
                    help="two report folders: tables side by side, claims that hold in both")  # fmt: skip
-    p.add_argument("--paste", nargs="+", metavar="FILE", default=None,
+    p.add_argument("--paste", nargs="*", metavar="FILE", default=None,
                    help="with --compare: replace each <!-- report:NAME --> block of these "
-                   "markdown files with that figure's commands and compared table")  # fmt: skip
+                   "markdown files with that figure's commands and compared table (no FILE: "
+                   f"{' '.join(paste.TARGETS)}, from the repository root)")  # fmt: skip
 
 
 def run(args: argparse.Namespace, runner: Runner = subprocess_runner, euid: int | None = None) -> int:  # fmt: skip
-    if args.paste and not args.compare:
+    if args.paste is not None and not args.compare:
         raise ValueError("--paste needs --compare DIR1 DIR2 (the runs whose tables it pastes)")
-    if args.paste:
+    if args.paste is not None:
         found = blocks(Path(args.compare[0]), Path(args.compare[1]))
-        files = [Path(p) for p in args.paste]
+        files = [Path(p) for p in args.paste or paste.TARGETS]
         texts = {p: paste.paste(p.read_text(), found, str(p)) for p in files}  # all or nothing
         for p, text in texts.items():
             p.write_text(text)
