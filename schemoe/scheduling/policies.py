@@ -93,26 +93,27 @@ def sequential(graph: TaskGraph, costs=None) -> Schedule:
     return fifo_links(graph, compute)
 
 
-@register_policy("tutel")
-def tutel(graph: TaskGraph, costs=None) -> Schedule:
-    r = graph.chunks
+def _dispatch_first(r: int, lag: int) -> list[Task]:
+    """The compute order shared by tutel and schemoe: C1 of every chunk back to back, then D1 E C2
+    per chunk, with chunk i's D2 right after chunk i + lag's C2 (those with no such chunk at
+    the end, in chunk order)."""
     compute = [_c(_1, i) for i in range(r)]
     for i in range(r):
         compute += [_d(_1, i), _e(i), _c(_2, i)]
-        if i > 0:
-            compute.append(_d(_2, i - 1))
-    compute.append(_d(_2, r - 1))
-    return fifo_links(graph, compute)
+        if i >= lag:
+            compute.append(_d(_2, i - lag))
+    compute += [_d(_2, i) for i in range(max(r - lag, 0), r)]
+    return compute
+
+
+@register_policy("tutel")
+def tutel(graph: TaskGraph, costs=None) -> Schedule:
+    return fifo_links(graph, _dispatch_first(graph.chunks, lag=1))
 
 
 @register_policy("schemoe")
 def schemoe(graph: TaskGraph, costs=None) -> Schedule:
-    r = graph.chunks
-    compute = [_c(_1, i) for i in range(r)]
-    for i in range(r):
-        compute += [_d(_1, i), _e(i), _c(_2, i)]
-    compute += [_d(_2, i) for i in range(r)]
-    return fifo_links(graph, compute)
+    return fifo_links(graph, _dispatch_first(graph.chunks, lag=graph.chunks))
 
 
 @register_policy("fastermoe", partition=Partition.PEERS)
