@@ -1,14 +1,34 @@
-"""Shared by the sub-command modules: the error guard that turns a command's expected failures
-into one error line, and the help formatter every parser uses (defaults and choices shown)."""
+"""Shared by the sub-command modules: the parser every command uses (defaults and choices shown
+in --help; errors on one line; flag checks attached per flag and run right after parsing), the
+error guard that turns a command's expected failures into one error line, and the comma-list
+types.
+
+Every flag value is checked in the process that parsed it, before any rank starts or any process
+is spawned: a range per flag (`Check`, attached with `Parser.add_checks`), then what a command
+knows only from several flags (its own validate function, raising ValueError through `guard`).
+Either way the user reads one line, `schemoe bench layer: error: --model-dim must be >= 1, got 0`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
-__all__ = ["HelpFormatter", "Parser", "guard", "show_default"]
+__all__ = [
+    "Check",
+    "HelpFormatter",
+    "Parser",
+    "for_flag",
+    "guard",
+    "int_list",
+    "names",
+    "show_default",
+]
 
 
 def show_default(default: object) -> str | None:
@@ -19,6 +39,51 @@ def show_default(default: object) -> str | None:
     if isinstance(default, list | tuple):
         return ",".join(str(v) for v in default)
     return str(default)
+
+
+def names(text: str) -> list[str]:
+    """A comma list as typed ("a, b,,c" -> ["a", "b", "c"]); "" -> [] (a Check refuses it)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def int_list(text: str) -> list[int]:
+    """A comma list of ints ("1,2" -> [1, 2]); argparse reports "invalid int_list value"."""
+    return [int(v) for v in names(text)]
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a flag's value may be: a number >= lo (> lo when strict) and <= hi, finite; a comma
+    list (a list value) must name at least one value, each of them in range. Check() only
+    refuses an empty list; a value of None (an optional flag not given) is not checked."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    strict: bool = False
+
+    def problem(self, v: object) -> str | None:
+        """None when `v` fits, else what it must be ("must be >= 1")."""
+        if isinstance(v, list | tuple):
+            if not v:
+                return "must name at least one value"
+            bad = [self.problem(x) for x in v]
+            return next((f"{p} (each)" for p in bad if p), None)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return None
+        above = v > self.lo if self.strict else v >= self.lo
+        if math.isfinite(v) and above and v <= self.hi:
+            return None
+        want = [f"{'>' if self.strict else '>='} {self.lo:g}"] if math.isfinite(self.lo) else []
+        want += [f"<= {self.hi:g}"] if math.isfinite(self.hi) else []
+        want += ["finite"] if isinstance(v, float) else []
+        return f"must be {' and '.join(want)}"
+
+
+def _typed(v: object) -> str:
+    """A value as the command line spells it: lists comma-joined, '' for nothing."""
+    if isinstance(v, list | tuple):
+        return ",".join(str(x) for x in v) or "''"
+    return str(v)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -35,16 +100,33 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose help uses HelpFormatter; its sub-parsers (add_subparsers makes
-    them of the parser's own class) do too."""
+    them of the parser's own class) do too. An error is one line, "PROG: error: MESSAGE" (no
+    usage block), exit status 2; `add_checks` attaches a Check per flag, run after parsing."""
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs) -> None:
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
         self.record_explicit = False  # set by a command that needs to know what was typed
+        self.checks: dict[str, tuple[str, Check]] = {}  # flag -> (dest, its check)
+
+    def add_checks(self, checks: Mapping[str, Check]) -> None:
+        """Check each flag of `checks` (its spelling -> Check) this parser has, right after
+        parsing; a flag it lacks is skipped, so one table serves commands sharing spellings."""
+        for flag, check in checks.items():
+            if flag in self._option_string_actions:
+                self.checks[flag] = (self._option_string_actions[flag].dest, check)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
     def parse_known_args(self, args=None, namespace=None):
-        """As ArgumentParser's; with `record_explicit`, the result's `explicit` attribute is the
-        sorted dests given on the command line (a flag typed with its default value counts)."""
+        """As ArgumentParser's, then every attached Check; with `record_explicit`, the result's
+        `explicit` attribute is the sorted dests given on the command line (a flag typed with
+        its default value counts)."""
         ns, rest = super().parse_known_args(args, namespace)
+        for flag, (dest, check) in self.checks.items():
+            v = getattr(ns, dest, None)
+            if v is not None and (problem := check.problem(v)):
+                self.error(f"{flag} {problem}, got {_typed(v)}")
         if self.record_explicit:
             saved = {act: act.default for act in self._actions}
             try:
@@ -59,14 +141,25 @@ class Parser(argparse.ArgumentParser):
         return ns, rest
 
 
+@contextlib.contextmanager
+def for_flag(flag: str) -> Iterator[None]:
+    """A ValueError raised inside is raised again with the flag whose value caused it in front:
+    `with for_flag("--algorithms"): ALGORITHMS.get(name)` -> "--algorithms: unknown all-to-all
+    algorithm 'x'; known: ...". ImportError (an optional package the value needs) too."""
+    try:
+        yield
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def guard(
     prog: str, fn: Callable[[argparse.Namespace], int]
 ) -> Callable[[argparse.Namespace], int]:
     """`fn`, except that ValueError, RuntimeError, OSError (PermissionError, FileNotFoundError,
     NotADirectoryError, TimeoutError, ...) and FloatingPointError (a diverged run's
-    NonFiniteError) print "`prog`: error: ..." to stderr and return exit status 2 instead of a
-    traceback. The result pickles when `fn` does (the parsed arguments, which carry it, are
-    handed to spawned ranks)."""
+    NonFiniteError) print "`prog`: error: ..." on one line to stderr and return exit status 2
+    instead of a traceback. The result pickles when `fn` does (the parsed arguments, which carry
+    it, are handed to spawned ranks)."""
     return functools.partial(_call, prog, fn)
 
 
@@ -74,5 +167,5 @@ def _call(prog: str, fn: Callable[[argparse.Namespace], int], args: argparse.Nam
     try:
         return fn(args)
     except (ValueError, RuntimeError, OSError, FloatingPointError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

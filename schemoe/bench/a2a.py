@@ -16,12 +16,13 @@ import re
 
 import torch
 
+from ..cliargs import Check, for_flag, names
 from ..collectives import ALGORITHMS, build
 from ..dist.timing import measure
 from ..dist.topology import Topology
 from . import output
 
-__all__ = ["add_arguments", "bench", "parse_size", "validate"]
+__all__ = ["CHECKS", "add_arguments", "bench", "parse_size", "validate"]
 
 _ROW = 256  # bytes per row: 64 fp32 values; sizes are rounded to whole rows per peer
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -35,20 +36,28 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+def _sizes(text: str) -> list[int]:
+    """--sizes: a comma list of `parse_size` sizes (argparse names the flag and the value)."""
+    try:
+        return [parse_size(t) for t in names(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# Each flag's range, checked right after parsing (cliargs.Parser.add_checks).
+CHECKS = {"--algorithms": Check(), "--sizes": Check(1), "--warmup": Check(0), "--repeats": Check(1)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--algorithms",
-        type=_csv,
+        type=names,
         default=["naive"],
         help=f"comma-separated, from: {', '.join(ALGORITHMS.names())}",
     )
     p.add_argument(
         "--sizes",
-        type=lambda s: [parse_size(t) for t in _csv(s)],
+        type=_sizes,
         default=[2**16, 2**20, 2**23],
         help="bytes per rank, e.g. 64K,1M,8M",
     )
@@ -57,10 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name in args.algorithms:
-        ALGORITHMS.get(name)  # ValueError listing the known ones
-    if not args.algorithms or not args.sizes:
-        raise ValueError("need at least one algorithm and one size")
+    """The names (ValueError listing the known ones); each flag's range is its Check."""
+    with for_flag("--algorithms"):
+        for name in args.algorithms:
+            ALGORITHMS.get(name)
 
 
 def _splits(topo: Topology, rows: int, keep: str) -> list[int]:

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 
-from ..cliargs import guard
+from ..cliargs import Check, Parser, guard
 from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
@@ -71,6 +71,36 @@ class BenchEnv:
         return "none shaped; intra and inter-node pairs both on loopback"
 
 
+_LAUNCH_CHECKS = {
+    "--nproc": Check(1),
+    "--ranks-per-node": Check(1),
+    "--timeout": Check(0, 1e9, strict=True),  # beyond ~30 years timedelta overflows
+}
+# The flags of bench/step.py (its own module, which may move this table next to them).
+_STEP_CHECKS = {
+    "--policies": Check(),
+    "--chunks": Check(1),
+    "--grad-syncs": Check(),
+    "--grad-compressors": Check(),
+    "--bucket-mb": Check(0, strict=True),
+    "--grad-windows": Check(1),
+    "--micro-chunks": Check(1),
+    "--model-dim": Check(1),
+    "--hidden-dim": Check(1),
+    "--experts": Check(1),
+    "--top-k": Check(1),
+    "--capacity-factor": Check(0),
+    "--layers": Check(1),
+    "--heads": Check(1),
+    "--moe-every": Check(1),
+    "--seq-len": Check(1),
+    "--batch": Check(1),
+    "--warmup": Check(0),
+    "--repeats": Check(1),
+}
+_CHECKS = {"a2a": a2a.CHECKS, "layer": layer.CHECKS, "step": _STEP_CHECKS}
+
+
 def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where the ranks run")
     g.add_argument("--testbed", action="store_true", help="on the testbed `testbed up` started")
@@ -108,6 +138,8 @@ def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) 
         if testbed and world != testbed.nodes * rpn:
             raise ValueError(f"world size {world} != {testbed.nodes} testbed nodes x {rpn} ranks")
     env = BenchEnv(rpn, testbed, launched)
+    if launched:  # no parent process checked this world: every rank does, alike
+        _check_world(name, args, env, world)
     _MULTI_RANK[name].bench(args, env)
 
 
@@ -126,7 +158,25 @@ def _joined(name: str, opts: dict) -> None:
         _rank(dist.get_rank(), dist.get_world_size(), name, opts, launched=True)
 
 
+def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int) -> None:
+    """What the flags say about `world` ranks (ValueError naming the flag): --ranks-per-node
+    divides them, so do --experts (default 2 per rank), --top-k <= the experts; then the
+    benchmark's own (bench layer: --predict has a profile of this topology)."""
+    if world % env.ranks_per_node:
+        raise ValueError(f"--ranks-per-node {env.ranks_per_node} must divide the {world} ranks")
+    if hasattr(args, "top_k"):
+        experts = args.experts or 2 * world
+        if experts % world:
+            raise ValueError(f"--experts {experts} must be divisible by the {world} ranks")
+        if args.top_k > experts:
+            raise ValueError(f"--top-k {args.top_k} must be <= the {experts} experts (--experts)")
+    if name == "layer":
+        layer.check_world(args, env, world)
+
+
 def _main(name: str, args: argparse.Namespace) -> int:
+    """Check every flag, then run: as one rank of a launched group, on the testbed, or on
+    --nproc spawned local ranks (checked here, before any of them starts)."""
     opts = {k: v for k, v in vars(args).items() if k != "func"}
     mod = _MULTI_RANK[name]
     mod.validate(args)  # bad names fail here, before any rank starts
@@ -138,13 +188,15 @@ def _main(name: str, args: argparse.Namespace) -> int:
 
         if not args.ranks_per_node:
             raise ValueError("--testbed needs --ranks-per-node K")
-        netns.load()  # a clear error if no testbed is up
+        bed = netns.load()  # a clear error if no testbed is up
+        _check_world(
+            name, args, BenchEnv(args.ranks_per_node, bed), bed.nodes * args.ranks_per_node
+        )
         child = ["-m", "schemoe.bench.cli", name, json.dumps(opts)]
         return launch.run(child, args.ranks_per_node, timeout=args.timeout)
     from ..dist.launch import spawn
 
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    _check_world(name, args, BenchEnv(args.ranks_per_node or args.nproc, None), args.nproc)
     spawn(_rank, args.nproc, name, opts, timeout=args.timeout, backend=_backend(opts))
     return 0
 
@@ -161,14 +213,16 @@ def _compress(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: median, p10/p90, one JSON line")
-    sub = p.add_subparsers(dest="bench", required=True)
+    sub = p.add_subparsers(dest="bench", required=True, parser_class=Parser)
     for name, mod in _MULTI_RANK.items():
         sp = sub.add_parser(name, help=mod.__doc__.splitlines()[0])
         _add_launch_arguments(sp)
         mod.add_arguments(sp)
+        sp.add_checks(_LAUNCH_CHECKS | _CHECKS[name])
         sp.set_defaults(func=guard("schemoe bench", partial(_main, name)))
     cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
     compress.add_arguments(cp)
+    cp.add_checks(compress.CHECKS)
     cp.set_defaults(func=guard("schemoe bench", _compress))
     rp = sub.add_parser("report", help=regen.__doc__.splitlines()[0])
     regen.add_arguments(rp)

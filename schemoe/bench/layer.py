@@ -33,9 +33,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .. import compression
 from .. import config as c
+from ..cliargs import Check, for_flag, int_list, names
 from ..collectives import ALGORITHMS
 from ..compression import COMPRESSORS
+from ..costmodel import profiles
+from ..costmodel.model import A2A_MODELS
 from ..costmodel.prediction import predict_ms
 from ..dist.devices import comm_device, control_zeros
 from ..dist.timing import measure
@@ -46,23 +50,36 @@ from ..scheduling import POLICIES
 from ..tuning.auto import TUNED, AutoTuner
 from . import output, parts
 
-__all__ = ["add_arguments", "bench", "validate"]
+__all__ = ["CHECKS", "add_arguments", "bench", "check_world", "validate"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+# Each flag's range, checked right after parsing (cliargs.Parser.add_checks).
+CHECKS = {
+    "--policies": Check(),
+    "--algorithms": Check(),
+    "--compressors": Check(),
+    "--chunks": Check(1),
+    "--tokens": Check(1),
+    "--model-dim": Check(1),
+    "--hidden-dim": Check(1),
+    "--experts": Check(1),
+    "--top-k": Check(1),
+    "--capacity-factor": Check(0),
+    "--warmup": Check(0),
+    "--repeats": Check(1),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", type=_csv, default=["sequential"],
+    p.add_argument("--policies", type=names, default=["sequential"],
                    help=f"comma list of: {', '.join(POLICIES.names())}, auto")  # fmt: skip
-    p.add_argument("--algorithms", type=_csv, default=["naive"],
+    p.add_argument("--algorithms", type=names, default=["naive"],
                    help=f"comma list of: {', '.join(ALGORITHMS.names())}")  # fmt: skip
-    p.add_argument("--compressors", type=_csv, default=["none"],
+    p.add_argument("--compressors", type=names, default=["none"],
                    help=f"comma list, each a name or fwd/bwd: {', '.join(COMPRESSORS.names())}")  # fmt: skip
-    p.add_argument("--chunks", type=lambda s: [int(v) for v in _csv(s)], default=[1],
+    p.add_argument("--chunks", type=int_list, default=[1],
                    help="comma list of r")  # fmt: skip
     p.add_argument("--peer", choices=["deepspeed"], action="append", default=[],
                    help="also time DeepSpeed-MoE's layer at the same shape (repeatable)")  # fmt: skip
@@ -98,25 +115,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name in args.policies:
-        if name != "auto":
-            POLICIES.get(name)
-    for name in args.algorithms:
-        ALGORITHMS.get(name)
-    for spec in args.compressors:
-        for name in spec.split("/"):
-            COMPRESSORS.get(name)
-    if any(r < 1 for r in args.chunks):
-        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    """What the names and several flags together allow (ValueError naming the flag), before
+    any rank starts; each flag's own range is its Check (CHECKS)."""
+    with for_flag("--policies"):
+        for name in args.policies:
+            if name != "auto":
+                POLICIES.get(name)  # unknown names list the known ones
+    with for_flag("--algorithms"):
+        for name in args.algorithms:
+            ALGORITHMS.get(name)
+    with for_flag("--compressors"):
+        for spec in args.compressors:
+            for name in spec.split("/"):
+                compression.build(name)  # also: zfp without zfpy
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     if "deepspeed" in args.peer and args.top_k not in (1, 2):
         raise ValueError(
             f"--peer deepspeed needs --top-k 1 or 2 (DeepSpeed's gate), got {args.top_k}"
         )
-    if args.tokens < 1:
-        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.predict and (bad := [a for a in args.algorithms if a not in A2A_MODELS]):
+        raise ValueError(
+            f"--predict: the cost model has no model of --algorithms {','.join(bad)} "
+            f"(it models {', '.join(A2A_MODELS)})"
+        )
     check_optional(args)
+
+
+def check_world(args: argparse.Namespace, env, world: int) -> None:
+    """--predict needs a profile of this run's topology and links (`schemoe profile` stores it):
+    without one every row's predicted_ms would be null."""
+    if not args.predict:
+        return
+    key = env.profile_key(world)
+    if profiles.load(key, args.profile) is None:
+        where = args.profile or profiles.DEFAULT_PATH
+        held = ", ".join(profiles.keys(args.profile)) or "none"
+        raise ValueError(
+            f"--predict: no profile {key!r} in --profile {where} (it holds: {held}); run "
+            "`schemoe profile` on this topology first, or drop --predict"
+        )
 
 
 def check_optional(args: argparse.Namespace) -> None:

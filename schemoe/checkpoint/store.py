@@ -391,5 +391,11 @@ def register(sub) -> None:
 
 
 def _export_command(a) -> int:
+    try:
+        resolve(a.checkpoint)  # both arguments checked, named as --help names them, first
+    except ValueError as e:
+        raise ValueError(f"CHECKPOINT {e}") from None
+    if Path(a.out).is_dir() or not Path(a.out).parent.is_dir():
+        raise ValueError(f"OUT {a.out!r} must name a file in a folder that exists")
     print(export(a.checkpoint, a.out))
     return 0

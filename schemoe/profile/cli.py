@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..cliargs import guard
+from ..cliargs import Check, for_flag, guard
 from ..costmodel import profiles
 from ..costmodel.hardware import preset
 from ..costmodel.model import LayerShape
@@ -48,6 +48,31 @@ from . import simctmoe, simstep, validate
 __all__ = ["register"]
 
 POLICY_ROWS = ("sequential", "tutel", "fastermoe", "schemoe", "search")
+
+# Each flag's range, checked right after parsing (cliargs.Parser.add_checks); one table for
+# `profile` and `simulate` (and simstep's flags), each taking the flags it has.
+CHECKS = {
+    "--nproc": Check(1),
+    "--ranks-per-node": Check(1),
+    "--nodes": Check(1),
+    "--model-dim": Check(1),
+    "--hidden-dim": Check(1),
+    "--tokens": Check(1),
+    "--experts": Check(1),
+    "--top-k": Check(1),
+    "--capacity-factor": Check(0),
+    "--timeout": Check(0, 1e9, strict=True),
+    "--layers": Check(1),
+    "--seq-len": Check(0),  # 0: no attention (simulate); --step needs >= 1 (simstep)
+    "--max-chunks": Check(1),
+    "--batch": Check(1),
+    "--heads": Check(1),
+    "--moe-every": Check(1),
+    "--bucket-mb": Check(0, strict=True),
+    "--micro-chunks": Check(1),
+    "--grad-syncs": Check(),
+    "--grad-compressors": Check(),
+}
 
 
 def _rank(rank: int, world: int, opts: dict) -> dict | None:
@@ -94,12 +119,23 @@ def _links(args: argparse.Namespace) -> Links | None:
         if args.intra_rate or args.intra_link:
             raise ValueError("--intra-rate / --intra-link describe the links with --link-rate")
         return None
-    intra = parse_rate(args.intra_rate, "intra-rate") if args.intra_rate else None
-    return Links(parse_rate(args.link_rate, "link-rate"), intra, args.intra_link or "shared")
+    intra = parse_rate(args.intra_rate, "--intra-rate") if args.intra_rate else None
+    return Links(parse_rate(args.link_rate, "--link-rate"), intra, args.intra_link or "shared")
+
+
+def _check_profile(args: argparse.Namespace, world: int) -> None:
+    """What the flags say about `world` ranks, before any starts (ValueError naming the flag)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+    if args.ranks_per_node is not None and world % args.ranks_per_node:
+        raise ValueError(f"--ranks-per-node {args.ranks_per_node} must divide the {world} ranks")
+    if args.experts is not None and args.experts % world:
+        raise ValueError(f"--experts {args.experts} must be divisible by the {world} ranks")
+    if args.path and os.path.isdir(args.path):
+        raise ValueError(f"--path {args.path!r} is a folder; give the profile store's file name")
 
 
 def _profile(args: argparse.Namespace) -> int:
-
     opts = {
         "ranks_per_node": args.ranks_per_node,
         "model_dim": args.model_dim,
@@ -111,15 +147,15 @@ def _profile(args: argparse.Namespace) -> int:
         "links": _links(args),
         "device": args.device,
     }
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     backend = "nccl" if args.device == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched (torchrun, testbed)
         if args.device == "cuda":
             torch.cuda.set_device(launcher_local_rank())
         with joined(backend, timeout_s=args.timeout):
+            _check_profile(args, dist.get_world_size())
             _rank(dist.get_rank(), dist.get_world_size(), opts)
         return 0
+    _check_profile(args, args.nproc)
     if args.ranks_per_node is None:
         opts["ranks_per_node"] = max(1, args.nproc // 2)
     spawn(_rank, args.nproc, opts, timeout=args.timeout, backend=backend)
@@ -175,22 +211,12 @@ def _ablation(hw, shape, layers: int, dense: float) -> list[dict]:
     return rows
 
 
-def _check_simulate(args: argparse.Namespace) -> None:
-    """Counts that the shape's own checks (LayerShape) do not see."""
-    for flag, lo in (("layers", 1), ("tokens", 1), ("seq_len", 0), ("max_chunks", 1),
-                     ("nodes", 1), ("ranks_per_node", 1), ("experts", 1)):  # fmt: skip
-        v = getattr(args, flag)
-        if v is not None and v < lo:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
-
-
 def _simulate(args: argparse.Namespace) -> int:
-    _check_simulate(args)
-
     if args.profile:
         hw = _only_or_keyed(args.profile, args.key)
     else:
-        hw = preset(args.preset)
+        with for_flag("--preset"):
+            hw = preset(args.preset)
     if args.nodes or args.ranks_per_node:
         hw = hw.with_topology(args.nodes or hw.nodes, args.ranks_per_node or hw.ranks_per_node)
     if args.ctmoe:
@@ -266,13 +292,17 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _only_or_keyed(path: str, key: str | None):
     """The record stored under `key` in `path`, or its only record when key is None."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--profile {path!r} is not a file (write one with `schemoe profile`)")
     stored = profiles.keys(path)
     if key is None and len(stored) == 1:
         key = stored[0]
     hw = profiles.load(key, path) if key else None
+    if hw is None and not stored:
+        raise ValueError(f"--profile {path!r} holds no profile (write one with `schemoe profile`)")
     if hw is None:
-        want = f"no profile {key!r}" if key else "several profiles"
-        raise ValueError(f"{want} in {path} (it holds {stored or 'none'}); pass --key KEY")
+        want = f"--key {key!r} is not" if key else "several profiles are"
+        raise ValueError(f"{want} in --profile {path!r} (it holds {stored}); pass --key KEY")
     return hw
 
 
@@ -294,6 +324,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available()
                    else "cpu", help="cuda: NCCL, one GPU per rank, CUDA-event timing")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_checks(CHECKS)
     p.set_defaults(func=guard("schemoe profile", _profile))
 
     s = subparsers.add_parser("simulate", help="predicted step time per policy on a preset")
@@ -334,6 +365,7 @@ def register(subparsers) -> None:
     s.add_argument("--png", default=None, help="Gantt chart of the chosen configuration")
     simstep.add_arguments(s)
     simctmoe.add_arguments(s)
+    s.add_checks(CHECKS)
     s.record_explicit = True  # --ctmoe refuses the shape flags it does not use
     s.set_defaults(func=guard("schemoe simulate", _simulate))
 
