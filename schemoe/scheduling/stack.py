@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from ..registry import Registry
 from . import simulator
-from .tasks import COMPUTE, Direction, Kind, Phase, Schedule, Task, _enum
+from .tasks import COMPUTE, Direction, Kind, Phase, Schedule, Task, _enum, chunk_deps
 
 __all__ = [
     "STACK_POLICIES",
@@ -98,33 +98,13 @@ class StackGraph:
                     deps[head] = (_po(prev, j) if fwd else _at(prev, j),)
                 else:
                     deps[head] = ()
-                ends = []
-                for i in range(self.chunks[b]):
-                    c1, d1, e, c2, d2 = (
-                        self.task(Kind.C, 1, i, b, j),
-                        self.task(Kind.D, 1, i, b, j),
-                        self.task(Kind.E, 0, i, b, j),
-                        self.task(Kind.C, 2, i, b, j),
-                        self.task(Kind.D, 2, i, b, j),
-                    )
-                    a1 = tuple(Task(Kind.A, 1, i, ln, b, j) for ln in self.links)
-                    a2 = tuple(Task(Kind.A, 2, i, ln, b, j) for ln in self.links)
-                    deps[c1] = (head,)
-                    deps.update({a: (c1,) for a in a1})
-                    deps[d1] = a1
-                    deps[e] = (d1,)
-                    deps[c2] = (e,)
-                    deps.update({a: (c2,) for a in a2})
-                    deps[d2] = a2
-                    ends.append(d2)
+                ends = [
+                    chunk_deps(deps, i, self.links, (head,), b, j) for i in range(self.chunks[b])
+                ]
                 deps[tail] = tuple(ends)
         for k, b in enumerate(self.buckets):
             deps[self.bucket(k)] = tuple(_at(b, j) for j in range(self.micro))
         object.__setattr__(self, "deps", deps)
-
-    @staticmethod
-    def task(kind: Kind, phase: int, chunk: int, block: int, micro: int) -> Task:
-        return Task(kind, phase, chunk, None, block, micro)
 
     def bucket(self, k: int) -> Task:
         return Task(Kind.AR, Phase.EXPERT, k, self.links[-1])

@@ -48,6 +48,7 @@ __all__ = [
     "Schedule",
     "Task",
     "TaskGraph",
+    "chunk_deps",
     "walk",
 ]
 
@@ -171,6 +172,31 @@ class Task:
             ) from None
 
 
+_CHAIN = ((Kind.C, 1), (Kind.A, 1), (Kind.D, 1), (Kind.E, 0), (Kind.C, 2), (Kind.A, 2), (Kind.D, 2))
+
+
+def chunk_deps(
+    deps: dict[Task, tuple[Task, ...]],
+    chunk: int,
+    links: tuple[str, ...],
+    after: tuple[Task, ...] = (),
+    block: int = 0,
+    micro: int = 0,
+) -> Task:
+    """Add one chunk's region tasks to `deps`, in this order: C1 (after `after`), A1 on every
+    link, D1, E, C2, A2 on every link, D2, each after the step before; return D2 (the chunk's
+    last task). A region's graph and the stack's share this chain."""
+    prev = after
+    for kind, phase in _CHAIN:
+        step = tuple(
+            Task(kind, phase, chunk, ln, block, micro)
+            for ln in (links if kind == Kind.A else (None,))
+        )
+        deps.update({t: prev for t in step})
+        prev = step
+    return prev[0]
+
+
 @dataclass(frozen=True)
 class TaskGraph:
     """Tasks and dependencies of one layer call (forward or backward).
@@ -199,22 +225,7 @@ class TaskGraph:
         object.__setattr__(self, "partition", _enum(Partition, self.partition, "partition"))
         deps: dict[Task, tuple[Task, ...]] = {}
         for i in range(self.chunks):
-            c1, d1, e, c2, d2 = (
-                Task("C", 1, i),
-                Task("D", 1, i),
-                Task("E", 0, i),
-                Task("C", 2, i),
-                Task("D", 2, i),
-            )
-            a1 = tuple(Task("A", 1, i, ln) for ln in self.links)
-            a2 = tuple(Task("A", 2, i, ln) for ln in self.links)
-            deps[c1] = ()
-            deps.update({a: (c1,) for a in a1})
-            deps[d1] = a1
-            deps[e] = (d1,)
-            deps[c2] = (e,)
-            deps.update({a: (c2,) for a in a2})
-            deps[d2] = a2
+            chunk_deps(deps, i, self.links)
         object.__setattr__(self, "deps", deps)
 
     @property
