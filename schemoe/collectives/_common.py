@@ -33,6 +33,7 @@ __all__ = [
     "node_group",
     "offsets",
     "output_buffer",
+    "peer_group",
     "permute_blocks",
     "world_group",
 ]
@@ -90,6 +91,20 @@ def node_group(topology: Topology, tag: str):
     return groups[topology.node]
 
 
+def peer_group(topology: Topology, tag: str, local_ranks: Sequence[int] | None = None):
+    """The group of this rank's peers, the ranks of its local rank on every node (tag `tag`);
+    None with one node, or when this rank's local rank is not among `local_ranks` (default all).
+
+    new_group is collective: every rank creates the group of every local rank in `local_ranks`,
+    in that order, members or not."""
+    if topology.nodes == 1:
+        return None
+    rpn, world = topology.ranks_per_node, topology.world
+    lrs = range(rpn) if local_ranks is None else local_ranks
+    groups = {lr: topology.subgroup(tuple(range(lr, world, rpn)), tag=tag) for lr in lrs}
+    return groups.get(topology.local_rank)
+
+
 def world_group(topology: Topology, tag: str):
     """A communicator of the algorithm's own over all ranks (tag `tag`), or None with one rank.
     Collective: every rank creates it."""
@@ -107,9 +122,12 @@ def permute_blocks(y: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) 
 
 
 def gather_splits(values: list[int], group, size: int) -> list[list[int]]:
-    """Every member's `values` (same length on all), by group rank. Collective; HOST SYNC.
+    """Every member's `values` (same length on all), by group rank. Collective; HOST SYNC
+    unless `size` is 1 (then [values], nothing sent).
 
     The ints travel on the group's backend device (gloo: CPU, NCCL: CUDA)."""
+    if size == 1:
+        return [list(values)]
     mine = control_tensor(values, dtype=torch.int64, group=group)
     parts = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(parts, mine, group=group)

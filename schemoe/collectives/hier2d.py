@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..dist.topology import Topology
-from ._common import Threaded, exchange, gather_splits, node_group, permute_blocks
+from ._common import Threaded, exchange, gather_splits, node_group, peer_group, permute_blocks
 from .base import ALGORITHMS
 
 __all__ = ["Hier2D"]
@@ -41,24 +41,14 @@ class Hier2D(Threaded):
 
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)
-        rpn, world = topology.ranks_per_node, topology.world
         # new_group is collective: every rank creates all of them, in the same order.
         self.node_group = node_group(topology, "hier2d.intra")
-        self.peer_group = None
-        if topology.nodes > 1:
-            peers = [
-                topology.subgroup(tuple(range(lr, world, rpn)), tag="hier2d.inter")
-                for lr in range(rpn)
-            ]
-            self.peer_group = peers[topology.local_rank]
+        self.peer_group = peer_group(topology, "hier2d.inter")
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, me = self.topo.ranks_per_node, self.topo.nodes, self.topo.local_rank
         # 0. cnt[l][d]: rows local rank l sends to rank d (host sync when the node has peers).
-        if rpn > 1:
-            cnt = gather_splits(send, self.node_group, rpn)
-        else:
-            cnt = [send]
+        cnt = gather_splits(send, self.node_group, rpn)
         # 1. Blocks (dest node n, dest local j) -> (j, n); local rank j gets all its column.
         y = permute_blocks(x, send, [n * rpn + j for j in range(rpn) for n in range(nodes)])
         send1 = [sum(send[n * rpn + j] for n in range(nodes)) for j in range(rpn)]

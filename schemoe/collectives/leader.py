@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..dist.topology import Topology
-from ._common import Threaded, exchange, gather_splits, node_group, permute_blocks
+from ._common import Threaded, exchange, gather_splits, node_group, peer_group, permute_blocks
 from .base import ALGORITHMS
 
 __all__ = ["Leader"]
@@ -35,23 +35,16 @@ class Leader(Threaded):
 
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)
-        rpn, world = topology.ranks_per_node, topology.world
         # new_group is collective: every rank creates all of them (members or not), in order.
         self.node_group = node_group(topology, "leader.intra")
-        self.leader_group = None
-        if topology.nodes > 1:
-            leaders = topology.subgroup(tuple(range(0, world, rpn)), tag="leader.inter")
-            self.leader_group = leaders if topology.local_rank == 0 else None
+        self.leader_group = peer_group(topology, "leader.inter", local_ranks=(0,))
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, world = self.topo.ranks_per_node, self.topo.nodes, self.topo.world
         leader = self.topo.local_rank == 0
         # 0. snd[l][d] / rcv[l][s]: the splits of local rank l (host sync when there are peers).
-        if rpn > 1:
-            both = gather_splits(send + recv, self.node_group, rpn)
-            snd, rcv = [b[:world] for b in both], [b[world:] for b in both]
-        else:
-            snd, rcv = [send], [recv]
+        both = gather_splits(send + recv, self.node_group, rpn)
+        snd, rcv = [b[:world] for b in both], [b[world:] for b in both]
         # 1. Gather: each rank sends all its rows to local rank 0; they arrive as blocks
         #    (source local l, dest node n, dest local j).
         to_leader = [x.shape[0]] + [0] * (rpn - 1)
