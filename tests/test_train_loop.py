@@ -15,7 +15,6 @@ import torch
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig, cli
 from schemoe.dist.launch import spawn
-from schemoe.train import args as TA
 from schemoe.train import loop as T
 from schemoe.train.resume import apply_resume
 from train_cases import tiny
@@ -98,7 +97,7 @@ def test_resume_at_the_last_step_says_there_is_nothing_to_do(saved, capsys):
     ]
 
 
-def test_tensorboard_without_the_package_is_one_line_before_any_rank(monkeypatch):
+def test_tensorboard_without_the_package_is_one_line_before_any_rank(monkeypatch, tmp_path):
     import importlib.util
 
     real = importlib.util.find_spec
@@ -106,7 +105,7 @@ def test_tensorboard_without_the_package_is_one_line_before_any_rank(monkeypatch
         importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a)
     )
     with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package"):
-        TA.check_args(tiny("--tensorboard", "tb"), 1)
+        tiny("--tensorboard", str(tmp_path / "tb")).validate(1)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """Shared by the `schemoe train` tests (checkpoint, failures, train): the tiny model and run they
-all start from, as command-line arguments."""
+all start from, as command-line arguments (TINY) and as the TrainConfig they build (tiny)."""
 
 from __future__ import annotations
 
 from schemoe.train import loop as T
+from schemoe.train.config import TrainConfig
 
 TINY = [
     "--device",  # the test ranks are gloo CPU ranks, also on a machine with a GPU
@@ -33,6 +34,6 @@ TINY = [
 ]
 
 
-def tiny(*extra: str):
-    """The parsed arguments of the tiny run, with `extra` appended."""
-    return T.parse_args([*TINY, *extra])
+def tiny(*extra: str) -> TrainConfig:
+    """The TrainConfig of the tiny run's command line with `extra` appended."""
+    return TrainConfig.from_args(T.parse_args([*TINY, *extra]))

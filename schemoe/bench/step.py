@@ -1,7 +1,9 @@
 """One full training step of the main job's model (`schemoe train`'s GPT), per candidate.
 
-A sample is one step: zero_grad; logits, aux = model(tokens); cross-entropy + aux; backward
-(the dense-gradient sync included); global-norm clipping; AdamW step; the loss all-reduce.
+A sample is one step, and it is `schemoe train`'s step: `schemoe.train.step.train_step`, the
+same function (zero_grad; per micro-batch of --grad-accum: forward, cross-entropy + aux,
+backward, DDP syncing on the last; the loss mean over ranks, one all-reduce and one host sync;
+average_expert_gradients; global-norm clipping; AdamW step, as `schemoe train` builds it).
 Candidates are every combination of --policies x --chunks x --micro-chunks x --grad-syncs x
 --grad-compressors (micro-chunks m > 1: the blocks run as a wavefront stack, schemoe/stack.py), and
 with `--peer deepspeed` the same model (same dense parts, E, k, f) with DeepSpeed-MoE's layer
@@ -28,26 +30,28 @@ import argparse
 import itertools
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .. import config as c
 from .. import trace
 from ..collectives import ALGORITHMS
 from ..dist.timing import measure
-from ..layer.parallel import clip_grad_norm_, ddp_ignore_experts, dense_parameters
+from ..layer.parallel import ddp_ignore_experts, dense_parameters
 from ..routing.router import capacity
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, SYNCS, data_parallel
 from ..train.model import GPT, GPTConfig
+from ..train.setup import optimizer
+from ..train.step import StepRecord, train_step
 from ..tuning.auto import TUNED, AutoTuner
 from . import output, parts
 from .layer import _deepspeed, check_optional
 
-__all__ = ["add_arguments", "bench", "validate"]
+__all__ = ["add_arguments", "bench", "timed_step", "validate"]
 
 
 def _csv(text: str) -> list[str]:
@@ -79,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--heads", type=int, default=4, help="attention heads")
     m("--moe-every", type=int, default=2, help="an MoE FFN in every n-th block")
     m("--seq-len", type=int, default=64, help="tokens per sequence")
-    m("--batch", type=int, default=8, help="sequences per rank")
+    m("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    m("--grad-accum", type=int, default=1, help="micro-batches per step (as schemoe train's)")
     m("--algorithm", default="naive", help="all-to-all algorithm")
     t = p.add_argument_group("timing").add_argument
     t("--warmup", type=int, default=2, help="unmeasured rounds")
@@ -101,6 +106,8 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--grad-compressors must list {sorted(COMPRESS)}, got {s!r}")
     if any(w < 1 for w in args.grad_window):
         raise ValueError(f"--grad-windows must be >= 1, got {args.grad_window}")
+    if args.grad_accum < 1:
+        raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     if any(r < 1 for r in args.chunks):
         raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
     if any(m < 1 or args.batch % m for m in args.micro_chunks):
@@ -151,25 +158,31 @@ class _DeepSpeedFFN(nn.Module):
         return y, l_aux
 
 
-def _step(model: nn.Module, core: nn.Module, opt, tokens, targets, world: int, group=None):
-    """One training step; `group`: where clipping's norm and the loss are summed."""
+def timed_step(
+    model: nn.Module,
+    core: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    grad_accum: int = 1,
+    clip: float = 1.0,
+    ep=None,
+    group=None,
+) -> Callable[[], StepRecord]:
+    """A sample: one call of `train_step` (schemoe train's step). `ep`: the expert layout (None:
+    the MoE layers' own group); `group`: where the loss is averaged (None: every rank)."""
 
-    def run() -> None:
-        opt.zero_grad(set_to_none=True)
-        logits, aux = model(tokens)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        (loss + aux).backward()
-        clip_grad_norm_(core, 1.0, group)
-        opt.step()
-        stat = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(stat, group=group)
+    def run() -> StepRecord:
+        return train_step(
+            model, core, opt, batches, ep, clip=clip, grad_accum=grad_accum, group=group
+        )
 
     return run
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    """schemoe train's AdamW (a small lr: the samples repeat the same tokens)."""
+    return optimizer(model, lr=1e-4, weight_decay=0.1)
 
 
 def _network(args, core: GPT, algo, world: int, dtype: torch.dtype, group=None):
@@ -240,6 +253,11 @@ def bench(args: argparse.Namespace, env) -> None:
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
     targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    accum = args.grad_accum
+
+    def batches() -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens, targets  # every micro-batch the same tokens: the timing does not care
+
     cands, rows, first, cores = {}, [], None, {}
     combos = itertools.product(
         args.policies, args.chunks, args.micro_chunks, args.grad_sync, args.grad_compress,
@@ -264,7 +282,7 @@ def bench(args: argparse.Namespace, env) -> None:
         first = first or core
         name = f"{pol}/r{r}/{sync}/{comp}" if mc == 1 else f"{pol}/r{r}/m{mc}/{sync}/{comp}"
         name += f"/w{win}" if win != 1 else ""
-        cands[name] = _step(model, core, _optimizer(core), tokens, targets, world)
+        cands[name] = timed_step(model, core, _optimizer(core), batches, grad_accum=accum)
         cores[name] = core
         rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
                      "micro_chunks": mc, "grad_window": win, "_n": name})  # fmt: skip
@@ -276,13 +294,14 @@ def bench(args: argparse.Namespace, env) -> None:
         skip = [n for n, p in core.named_parameters() if getattr(p, "allreduce", True) is False]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(core, skip)
         model, _ = data_parallel(core, bucket_mb=args.bucket_mb)
-        cands[peer] = _step(model, core, _optimizer(core), tokens, targets, world)
+        cands[peer] = timed_step(model, core, _optimizer(core), batches, grad_accum=accum)
         rows.append({"policy": peer, "chunks": 1, "grad_sync": "ddp", "grad_compress": "none",
                      "micro_chunks": 1, "grad_window": 1, "_n": peer})  # fmt: skip
     # The parts. new_group is collective: every rank creates every one-rank group.
     solo = [dist.new_group([q]) for q in range(world)][rank]
     single = _gpt(args, _moe_config(args, 1), group=solo)
-    compute = _step(single, single, _optimizer(single), tokens, targets, 1, group=solo)
+    opt = _optimizer(single)
+    compute = timed_step(single, single, opt, batches, grad_accum=accum, group=solo)
     cands["parts:compute1"] = parts.one_at_a_time(compute, rank, world)
     algo = parts.algorithm(args.algorithm, rpn)  # what a tuned (auto) first row has no name for
     for comp in dict.fromkeys(args.grad_compress):
@@ -307,7 +326,8 @@ def bench(args: argparse.Namespace, env) -> None:
     keys = ("model_dim", "hidden_dim", "experts", "top_k", "layers", "heads", "moe_every")
     config = {k: getattr(args, k) for k in keys}
     config |= {"f": args.capacity_factor, "seq_len": args.seq_len, "batch": args.batch,
-               "algorithm": args.algorithm, "bucket_mb": args.bucket_mb,
+               "grad_accum": args.grad_accum, "algorithm": args.algorithm,
+               "bucket_mb": args.bucket_mb,
                "grad_algorithm": args.grad_algorithm, "warmup": args.warmup,
                "repeats": args.repeats}  # fmt: skip
     head = output.header("schemoe bench step", config, env.topology(world), env.link())

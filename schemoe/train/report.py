@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
 
 from ..layer.moe import MoELayer
+from .config import TrainConfig
 
 __all__ = ["Metrics", "Progress", "finite_or_none", "plot"]
 
@@ -47,7 +47,7 @@ class Metrics:
     """Rank 0's per-step metrics: a JSONL file (--log-file) and TensorBoard scalars
     (--tensorboard). Routing statistics are rank 0's own tokens (no collective)."""
 
-    def __init__(self, a: argparse.Namespace, moe: list[MoELayer]) -> None:
+    def __init__(self, a: TrainConfig, moe: list[MoELayer]) -> None:
         self.moe = moe if (a.log_file or a.tensorboard) else []
         for m in self.moe:
             m.record_routing = True

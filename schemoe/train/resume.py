@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint import store as checkpoint
-from .args import flag
+from .config import flag
 
 __all__ = ["apply_resume", "nothing_to_do"]
 

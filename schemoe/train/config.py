@@ -1,0 +1,350 @@
+"""TrainConfig: every setting of a `schemoe train` run, frozen and validated, built once.
+
+    cfg = TrainConfig.from_args(parse_args(argv))      # the command line
+    cfg = TrainConfig(steps=100, experts=8, device="cpu")   # or from Python
+    cfg.validate(world)      # what needs the rank count, the files and the installed packages
+    train(rank, world, cfg)
+
+One validation path: construction checks every value (types, ranges, plug-in names, the model's
+shape, the MoEConfig and compression options it builds); `validate(world)` adds what depends on
+the machine (the rank count, --device cuda, optional packages, the corpus, the paths).
+`schemoe train` runs both before any rank starts. Nothing mutates a TrainConfig: what a run
+resolves later (--micro-chunks auto's m, the default expert count) is a `dataclasses.replace`
+copy. Field names are the command line's (`grad_accum` is --grad-accum), and every error names
+the flag and the value, as a user typed them; errors the MoEConfig raises name its own fields,
+which `MOE_FLAGS` (one table) maps to the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from .. import compression
+from ..cliargs import for_flag
+from ..collectives import ALGORITHMS
+from ..config import (
+    CollectiveConfig,
+    CompressionConfig,
+    ExpertConfig,
+    GateConfig,
+    MoEConfig,
+    ParallelConfig,
+    ScheduleConfig,
+)
+from ..scheduling import POLICIES
+from ..step.gradsync import COMPRESS, GRAD_SYNCS, SYNCS
+from .checks import check_corpus, check_paths
+from .model import GPTConfig, corpus_size
+
+__all__ = ["MOE_FLAGS", "TrainConfig", "flag", "spelled_with_flags"]
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16")
+# Namespace entries that are not settings: the sub-command, its function, the typed flags.
+NOT_SETTINGS = ("func", "command", "explicit")
+
+# Each MoEConfig section: its class and its fields (as its errors name them) -> the TrainConfig
+# field (the flag). The MoEConfig is built from this table and its errors are spelled by it.
+MOE_FLAGS: dict[str, tuple[type, dict[str, str]]] = {
+    "gate": (GateConfig, {
+        "num_experts": "experts", "top_k": "top_k", "capacity_factor": "capacity_factor",
+        "renormalize": "renormalize", "noise_std": "noise_std", "priority": "priority",
+        "aux_loss_weight": "aux_loss_weight", "z_loss_weight": "z_loss_weight",
+        "bias_update_rate": "bias_update_rate"}),
+    "experts": (ExpertConfig, {"model_dim": "model_dim", "hidden_dim": "hidden_dim",
+                               "activation": "activation", "bias": "expert_bias"}),
+    "parallel": (ParallelConfig, {"ranks_per_node": "ranks_per_node",
+                                  "uniform_tokens": "uniform_tokens"}),
+    "schedule": (ScheduleConfig, {"policy": "policy", "chunks": "chunks",
+                                  "accuracy_budget": "budget", "trials": "trials",
+                                  "shortlist": "shortlist"}),
+    "collective": (CollectiveConfig, {"algorithm": "algorithm"}),
+    "compression": (CompressionConfig, {"forward": "compressor",
+                                        "backward": "compressor_backward",
+                                        "options": "compressor_option"}),
+}  # fmt: skip
+# Lower bounds: ints, then floats (name, low, high, low is strict).
+INT_MIN = (("nproc", 1), ("steps", 1), ("batch", 1), ("grad_accum", 1), ("seq_len", 1),
+           ("layers", 1), ("heads", 1), ("moe_every", 1), ("ep_size", 1), ("experts", 1),
+           ("model_dim", 1), ("hidden_dim", 1), ("top_k", 1), ("chunks", 1), ("trials", 0),
+           ("shortlist", 1), ("ranks_per_node", 1), ("save_every", 0), ("eval_every", 0),
+           ("eval_seqs", 0), ("warmup", 0), ("stop_after", 0), ("log_every", 1), ("threads", 1),
+           ("corpus_bytes", 10_000))  # fmt: skip
+FLOAT_RANGE = (
+    ("lr", 0.0, math.inf, True),
+    ("min_lr_ratio", 0.0, 1.0, False),
+    ("weight_decay", 0.0, math.inf, False),
+    ("clip", 0.0, math.inf, False),
+    ("timeout", 0.0, 1e9, True),
+)  # fmt: skip  (beyond ~30 years timedelta overflows)
+CHOICES = {"device": DEVICES, "dtype": DTYPES, "grad_sync": SYNCS,
+           "grad_compressor": tuple(sorted(COMPRESS)), "grad_algorithm": tuple(GRAD_SYNCS.names())}  # fmt: skip
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of setting `name`."""
+    return "--" + name.replace("_", "-")
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _options(items: tuple[str, ...]) -> dict[str, dict]:
+    """("zfp.rate=4", ...) -> {"zfp": {"rate": 4}}; values are JSON, else strings."""
+    out: dict[str, dict] = {}
+    for it in items:
+        name, _, rest = it.partition(".")
+        key, eq, val = rest.partition("=")
+        if not (name and key and eq):
+            raise ValueError(f"--compressor-option must look like NAME.KEY=VALUE, got {it!r}")
+        try:
+            val = json.loads(val)
+        except json.JSONDecodeError:
+            pass  # a plain string
+        out.setdefault(name, {})[key] = val
+    return out
+
+
+def spelled_with_flags(e: Exception, names: Mapping[str, str], section: str) -> Exception:
+    """`e` with every config field it names spelled as its flag: "top_k=9 must be <=
+    num_experts=4" -> "--top-k 9 must be <= --experts 4"."""
+    text = str(e)
+    for name in sorted(names, key=len, reverse=True):
+        at = rf"(?<![\w.-])(?:{section}\.)?{name}"
+        text = re.sub(at + "=", flag(names[name]) + " ", text)
+        text = re.sub(at + r"\b", flag(names[name]), text)
+    return type(e)(text)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Every `schemoe train` setting; the defaults are the command line's (see `--help`)."""
+
+    nproc: int = 4
+    steps: int = 40
+    batch: int = 8
+    grad_accum: int = 1
+    seq_len: int = 64
+    layers: int = 4
+    heads: int = 4
+    moe_every: int = 2
+    ep_size: int | None = None
+    device: str = field(default_factory=_default_device)
+    dtype: str = "fp32"
+    model_dim: int = 128
+    hidden_dim: int = 256
+    experts: int | None = None
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    renormalize: bool = True
+    noise_std: float = 0.0
+    priority: str = "position"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    bias_update_rate: float = 0.0
+    activation: str = "gelu"
+    expert_bias: bool = False
+    ranks_per_node: int | None = None
+    uniform_tokens: bool = True
+    policy: str = "schemoe"
+    chunks: int = 2
+    micro_chunks: int | str = 1
+    budget: str = "lossless"
+    trials: int = 5
+    shortlist: int = 4
+    algorithm: str = "naive"
+    compressor: str = "none"
+    compressor_backward: str = "none"
+    compressor_option: tuple[str, ...] = ()
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int | None = None
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 20
+    eval_seqs: int = 64
+    seed: int = 0
+    corpus: str | None = None
+    corpus_bytes: int = 4_000_000
+    grad_sync: str = "ddp"
+    grad_compressor: str = "none"
+    grad_algorithm: str = "flat"
+    bucket_mb: float | None = None
+    save: str | None = None
+    save_every: int = 0
+    resume: str | None = None
+    stop_after: int | None = None
+    export: str | None = None
+    plot: str | None = None
+    log_every: int = 5
+    log_file: str | None = None
+    tensorboard: str | None = None
+    check_finite: bool = False
+    threads: int = 1
+    timeout: float = 600.0
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> TrainConfig:
+        """The settings of parsed `schemoe train` arguments (validated on construction)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(vars(a)) - names - set(NOT_SETTINGS))
+        if unknown:
+            raise TypeError(f"TrainConfig has no setting {', '.join(map(flag, unknown))}")
+        return cls(**{k: v for k, v in vars(a).items() if k in names})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compressor_option", tuple(self.compressor_option))
+        self._check_types()
+        self._check_ranges()
+        GPTConfig(seq_len=self.seq_len, layers=self.layers, heads=self.heads,
+                  moe_every=self.moe_every)  # fmt: skip
+        if self.model_dim % self.heads:
+            raise ValueError(
+                f"--model-dim {self.model_dim} must be divisible by --heads {self.heads}"
+            )
+        names = [("algorithm", ALGORITHMS)] + (
+            [("policy", POLICIES)] if self.policy != "auto" else []
+        )
+        for n, registry in names:
+            with for_flag(flag(n)):
+                registry.get(getattr(self, n))  # ValueError listing the known names
+        # Before the rank count is known the default E is unknown: one that fits top_k stands in.
+        known = self.experts is not None or self.ep_size is not None
+        self._moe(self.num_experts(None) if known else max(2, self.top_k))
+        if self.ep_size is not None and self.experts is not None and self.experts % self.ep_size:
+            raise ValueError(
+                f"--experts {self.experts} must be divisible by --ep-size {self.ep_size}"
+            )
+        if self.grad_sync == "ddp" and self.grad_algorithm != "flat":
+            raise ValueError(f"--grad-algorithm {self.grad_algorithm} needs --grad-sync scheduled")
+
+    def _check_types(self) -> None:
+        for f in fields(self):
+            v, hint = getattr(self, f.name), str(f.type)
+            if (v is None and "None" in hint) or f.name in ("micro_chunks", "compressor_option"):
+                continue
+            want = _TYPES[hint.split(" |")[0]]
+            if isinstance(v, bool) != (bool in want) or not isinstance(v, want):
+                raise TypeError(f"{flag(f.name)} must be {hint}, got {type(v).__name__} {v!r}")
+        if not all(isinstance(o, str) for o in self.compressor_option):
+            raise TypeError(f"--compressor-option takes strings, got {self.compressor_option!r}")
+        for n, allowed in CHOICES.items():
+            if getattr(self, n) not in allowed:
+                raise ValueError(f"{flag(n)} must be one of {allowed}, got {getattr(self, n)!r}")
+
+    def _check_ranges(self) -> None:
+        for n, lo in INT_MIN:
+            if (v := getattr(self, n)) is not None and v < lo:
+                raise ValueError(f"{flag(n)} must be >= {lo}, got {v}")
+        m = self.micro_chunks
+        if m != "auto":
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"--micro-chunks must be an int >= 1 or auto, got {m!r}")
+            if self.batch % m:
+                raise ValueError(f"--batch {self.batch} must be divisible by --micro-chunks {m}")
+        if (m == "auto" or m > 1) and self.policy in ("auto", "search"):
+            raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
+        for n, lo, hi, strict in FLOAT_RANGE:
+            v = getattr(self, n)
+            if not (math.isfinite(v) and (v > lo if strict else v >= lo) and v <= hi):
+                where = f"> {lo:g}" if strict else f">= {lo:g}"
+                where += f" and <= {hi:g}" if math.isfinite(hi) else " and finite"
+                raise ValueError(f"{flag(n)} must be {where}, got {v:g}")
+        if self.bucket_mb is not None and not (
+            math.isfinite(self.bucket_mb) and self.bucket_mb > 0
+        ):
+            raise ValueError(f"--bucket-mb must be > 0 and finite, got {self.bucket_mb:g}")
+
+    def num_experts(self, world: int | None) -> int:
+        """--experts, or by default 2 per expert-parallel rank (--ep-size, else every rank; 2 per
+        rank when the rank count is not known yet)."""
+        if self.experts is not None:
+            return self.experts
+        return 2 * (self.ep_size or world or 1)
+
+    def moe_config(self, world: int | None = None) -> MoEConfig:
+        """Every MoEConfig field (`world`: the rank count, for the default expert count)."""
+        return self._moe(self.num_experts(world))
+
+    def _moe(self, experts: int) -> MoEConfig:
+        """The MoEConfig with E = `experts`, built by MOE_FLAGS; an error names the flags."""
+        sections = {"compression": self._compression()}
+        for section, (cls, names) in MOE_FLAGS.items():
+            if section == "compression":
+                continue
+            kwargs = {k: getattr(self, n) for k, n in names.items()}
+            if section == "gate":
+                kwargs["num_experts"] = experts
+            try:
+                sections[section] = cls(**kwargs)
+            except (ValueError, TypeError) as e:
+                raise spelled_with_flags(e, names, section) from None
+        return MoEConfig(**sections)
+
+    def _compression(self) -> CompressionConfig:
+        """The compression section, after checking its options (every one names a compressor
+        the run uses, unless --policy auto may choose others; an option it takes; a value of its
+        type) and building the compressors the run names: an unknown name is blamed on its
+        flag, an option on --compressor-option."""
+        options = _options(self.compressor_option)  # ValueError naming --compressor-option
+        used = (self.compressor, self.compressor_backward)
+        for n in ("compressor", "compressor_backward"):
+            with for_flag(flag(n)):
+                compression.COMPRESSORS.get(getattr(self, n))
+        with for_flag("--compressor-option"):
+            compression.check_options(options, None if self.policy == "auto" else used)
+        for n, name in zip(("compressor", "compressor_backward"), used, strict=True):
+            with for_flag("--compressor-option" if options.get(name) else flag(n)):
+                compression.build(name, options)  # ImportError: a package it needs is missing
+        return CompressionConfig(forward=used[0], backward=used[1], options=options)
+
+    def validate(self, world: int | None) -> None:
+        """What depends on the machine (`world`: the rank count, None when not known yet): the
+        experts and --ranks-per-node over the ranks, --device cuda, the optional packages, the
+        corpus (sized from its files' lengths, not read) and the paths (folders created)."""
+        if world is not None:
+            ep = self.ep_size or world
+            if world % ep:
+                raise ValueError(f"--ep-size {self.ep_size} must divide the {world} ranks")
+            if self.num_experts(world) % ep:
+                raise ValueError(
+                    f"--experts {self.num_experts(world)} must be divisible by the {ep} "
+                    "expert-parallel ranks"
+                )
+            if self.ranks_per_node is not None and world % self.ranks_per_node:
+                raise ValueError(
+                    f"--ranks-per-node {self.ranks_per_node} must divide the {world} ranks"
+                )
+            self.moe_config(world)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+        if self.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install 'schemoe[plot]'")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard")
+        check_corpus(corpus_size(self.corpus, self.corpus_bytes), seq_len=self.seq_len,
+                     eval_seqs=self.eval_seqs, corpus_bytes=self.corpus_bytes)  # fmt: skip
+        check_paths(**{k: getattr(self, k) for k in ("resume", "save", "export", "plot",
+                                                     "log_file", "tensorboard")})  # fmt: skip
+
+    def resolved(self, world: int, micro_chunks: int) -> TrainConfig:
+        """This config with what the run resolved: E and --micro-chunks auto's m."""
+        return dataclasses.replace(self, experts=self.num_experts(world), micro_chunks=micro_chunks)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by name (JSON-ready: the checkpoint's "args")."""
+        out = dataclasses.asdict(self)
+        out["compressor_option"] = list(self.compressor_option)
+        return out

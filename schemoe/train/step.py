@@ -1,0 +1,131 @@
+"""The training step: the one function `schemoe train` runs each step and `schemoe bench step`
+times, so the benchmark measures exactly the step the trainer takes.
+
+    rec = train_step(model, core, opt, batches, ep, clip=1.0, grad_accum=2)
+    rec.loss, rec.grad_norm, rec.forward_s, rec.backward_s, rec.optimizer_s
+
+The model's contract: `model(x_BL)` returns (logits_BLV, aux), aux a scalar loss (the MoE
+layers' auxiliary losses). Nothing here knows the model's class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..dist import failures
+from ..layer.moe import MoELayer
+from ..layer.parallel import ExpertParallel, average_expert_gradients, clip_grad_norm_
+
+__all__ = ["StepRecord", "train_step"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens_BL, targets_BL) on the model's device
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step: the loss (mean over micro-batches and ranks), the global gradient
+    norm before clipping, and the host wall time of its parts (forward: fetching the batches,
+    forward and loss; backward; optimizer: the rest, from the expert-gradient average on)."""
+
+    loss: float
+    grad_norm: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def train_step(
+    model: nn.Module,
+    core: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Callable[[], Batch],
+    ep: ExpertParallel | None,
+    *,
+    clip: float,
+    grad_accum: int = 1,
+    autocast_dtype: torch.dtype | None = None,
+    group=None,
+    checker: failures.FiniteChecker | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    step: int | None = None,
+    advice: str = "",
+) -> StepRecord:
+    """One optimizer step over `grad_accum` micro-batches; returns its StepRecord.
+
+    1. zero the gradients; per micro-batch (`batches()` gives it): forward under autocast
+       (`autocast_dtype`, None: off), cross-entropy in fp32, backward of (loss + aux) /
+       grad_accum; DDP's `no_sync()` on all but the last, so it all-reduces once.
+    2. the loss, mean over micro-batches and the ranks of `group` (None: the default group):
+       one all-reduce, one HOST SYNC; non-finite raises failures.NonFiniteError before any
+       optimizer step (`step` and `advice` go into its message).
+    3. average_expert_gradients over `ep` (None: the MoE layers' own group), then
+       clip_grad_norm_ to `clip` (0: measure only; HOST SYNC), optimizer step, and the
+       aux-loss-free expert bias update of every MoE layer of `core` that has one.
+
+    `model` is `core` or its data-parallel wrapper; `checker` (--check-finite) checks each
+    micro-batch's loss and, after averaging, the gradients; `on_phase` hears "forward",
+    "backward", "optimizer" as they begin (for failure reports). Collective: every rank of
+    the groups calls it with the same `grad_accum`."""
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+    phase = on_phase or (lambda _: None)
+    opt.zero_grad(set_to_none=True)
+    fwd = bwd = 0.0
+    stat = None
+    for micro in range(grad_accum):
+        last = micro == grad_accum - 1
+        sync = (
+            contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        )
+        with sync:
+            ta = time.perf_counter()
+            phase("forward")
+            x, y = batches()
+            with torch.autocast(
+                x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+            ):
+                logits, aux = model(x)
+                flat = logits.float().reshape(-1, logits.shape[-1])
+                loss = F.cross_entropy(flat, y.reshape(-1))
+            if checker:
+                checker.check_loss(loss)
+            stat = torch.zeros((), device=loss.device) if stat is None else stat
+            stat += loss.detach() / grad_accum
+            tb = time.perf_counter()
+            phase("backward")
+            ((loss + aux) / grad_accum).backward()
+            fwd, bwd = fwd + tb - ta, bwd + time.perf_counter() - tb
+    if (n := _size(group)) > 1:
+        dist.all_reduce(stat, group=group)
+        stat /= n
+    mean = stat.item()  # host sync: decides whether to go on
+    if not math.isfinite(mean):
+        at = f" at step {step}" if step is not None else ""
+        raise failures.NonFiniteError(
+            f"non-finite loss {mean} (mean over ranks){at}: the run diverged; no optimizer step "
+            f"was taken with it{advice}"
+        )
+    t0 = time.perf_counter()
+    phase("optimizer")
+    average_expert_gradients(core, ep)  # the mean-loss gradient, as DDP's dense ones
+    if checker:
+        checker.check_grads()
+    gnorm = clip_grad_norm_(core, clip, ep)
+    opt.step()
+    for m in core.modules():
+        if isinstance(m, MoELayer) and m.expert_bias is not None:
+            m.update_expert_bias()
+    return StepRecord(mean, gnorm, fwd, bwd, time.perf_counter() - t0)
