@@ -156,6 +156,11 @@ CASES = {
         "--profile",
         "{tmp}/none.json",
     ),
+    "validate missing bench output": (
+        ["validate", "{tmp}/bench.txt"],
+        "RUNS",
+        "{tmp}/bench.txt",
+    ),
     # schemoe testbed
     "testbed up no nodes": (
         ["testbed", "up", "--nodes", "0", "--rate", "1gbit"],

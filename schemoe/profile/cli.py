@@ -306,6 +306,17 @@ def _only_or_keyed(path: str, key: str | None):
     return hw
 
 
+def _validate(args: argparse.Namespace) -> int:
+    """validate.run, once every file the arguments name is there (named as typed)."""
+    for spec in args.runs:
+        for path in filter(None, spec.partition("=")[::2]):
+            if not os.path.isfile(path):
+                raise ValueError(f"RUNS {spec!r}: {path!r} is not a file")
+    if args.profile and not os.path.isfile(args.profile):
+        raise ValueError(f"--profile {args.profile!r} is not a file")
+    return validate.run(args)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="fit the cost model's constants on this cluster")
     p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
@@ -373,4 +384,4 @@ def register(subparsers) -> None:
     v.add_argument("runs", nargs="+", help="saved bench outputs, each BENCH.txt[=PROFILE.json]")
     v.add_argument("--profile", default=None, help="profile cache for runs without =PROFILE")
     v.add_argument("--png", default=None, help="predicted-vs-measured scatter plot")
-    v.set_defaults(func=guard("schemoe validate", validate.run))
+    v.set_defaults(func=guard("schemoe validate", _validate))
