@@ -246,19 +246,10 @@ def _trace(folder: str, steps: dict, cores: dict) -> None:
             h.remove()
 
 
-def bench(args: argparse.Namespace, env) -> None:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    rpn = env.ranks_per_node
-    args.experts = args.experts or 2 * world
-    g = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
-    targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
-    accum = args.grad_accum
-
-    def batches() -> tuple[torch.Tensor, torch.Tensor]:
-        return tokens, targets  # every micro-batch the same tokens: the timing does not care
-
-    cands, rows, first, cores = {}, [], None, {}
+def _candidates(args, world: int, rpn: int, batches) -> tuple[dict, list[dict], dict]:
+    """Every row's sample (name -> timed_step), its row and its model (name -> core): the
+    combinations of the flags, then the peers."""
+    cands, rows, cores = {}, [], {}
     combos = itertools.product(
         args.policies, args.chunks, args.micro_chunks, args.grad_sync, args.grad_compress,
         args.grad_window,
@@ -279,10 +270,9 @@ def bench(args: argparse.Namespace, env) -> None:
             window=win,
             ranks_per_node=rpn,
         )
-        first = first or core
         name = f"{pol}/r{r}/{sync}/{comp}" if mc == 1 else f"{pol}/r{r}/m{mc}/{sync}/{comp}"
         name += f"/w{win}" if win != 1 else ""
-        cands[name] = timed_step(model, core, _optimizer(core), batches, grad_accum=accum)
+        cands[name] = timed_step(model, core, _optimizer(core), batches, grad_accum=args.grad_accum)
         cores[name] = core
         rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
                      "micro_chunks": mc, "grad_window": win, "_n": name})  # fmt: skip
@@ -294,9 +284,26 @@ def bench(args: argparse.Namespace, env) -> None:
         skip = [n for n, p in core.named_parameters() if getattr(p, "allreduce", True) is False]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(core, skip)
         model, _ = data_parallel(core, bucket_mb=args.bucket_mb)
-        cands[peer] = timed_step(model, core, _optimizer(core), batches, grad_accum=accum)
+        cands[peer] = timed_step(model, core, _optimizer(core), batches, grad_accum=args.grad_accum)
         rows.append({"policy": peer, "chunks": 1, "grad_sync": "ddp", "grad_compress": "none",
                      "micro_chunks": 1, "grad_window": 1, "_n": peer})  # fmt: skip
+    return cands, rows, cores
+
+
+def bench(args: argparse.Namespace, env) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rpn = env.ranks_per_node
+    args.experts = args.experts or 2 * world
+    g = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    targets = torch.randint(0, 256, (args.batch, args.seq_len), generator=g)
+    accum = args.grad_accum
+
+    def batches() -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens, targets  # every micro-batch the same tokens: the timing does not care
+
+    cands, rows, cores = _candidates(args, world, rpn, batches)
+    first = next(iter(cores.values()))
     # The parts. new_group is collective: every rank creates every one-rank group.
     solo = [dist.new_group([q]) for q in range(world)][rank]
     single = _gpt(args, _moe_config(args, 1), group=solo)

@@ -28,6 +28,8 @@ def micro_chunks_arg(text: str) -> int | str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig setting (its field name, dashed), in --help's groups. Long
+    because it is a flat list of declarations, one or two lines each."""
     p.record_explicit = True  # --resume takes what the command line does not give
     a = p.add_argument
     a("--nproc", type=int, default=D["nproc"], help="local ranks to spawn (not under torchrun)")

@@ -260,7 +260,7 @@ def _main(a: argparse.Namespace) -> int:
     apply_resume(a)  # the saved run's arguments, where this command line gives none
     cfg = TrainConfig.from_args(a)
     # Every setting is checked before a rank starts (under torchrun: before the group forms).
-    cfg.validate(None if torchrun else cfg.nproc)
+    cfg.validate(int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc)
     if (line := nothing_to_do(cfg)) is not None:
         # Exit 0: the run asked for is complete (a requeued job that resumes is done, not failed).
         if not torchrun or os.environ.get("RANK") == "0":
