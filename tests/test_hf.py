@@ -25,39 +25,33 @@ transformers = pytest.importorskip("transformers")
 SEQ = 6
 
 
+# The tiny model both families are built at (each adds its own name for the expert count).
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32,
+    "router_aux_loss_coef": 0.02,
+    "output_router_logits": True,
+}
+
+
 def mixtral():
-    cfg = transformers.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-        router_aux_loss_coef=0.02,
-        output_router_logits=True,
-    )
+    cfg = transformers.MixtralConfig(**TINY, num_local_experts=4)
     return _seeded(transformers.MixtralForCausalLM, cfg)
 
 
 def qwen(norm: bool):
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=40,
+        **TINY,
         moe_intermediate_size=24,
         shared_expert_intermediate_size=36,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_experts=4,
-        num_experts_per_tok=2,
         norm_topk_prob=norm,
-        max_position_embeddings=32,
-        router_aux_loss_coef=0.02,
-        output_router_logits=True,
     )
     return _seeded(transformers.Qwen2MoeForCausalLM, cfg)
 

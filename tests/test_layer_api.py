@@ -59,21 +59,24 @@ def test_bad_gate_settings_raise_value_errors_naming_the_value():
         ScheduleConfig(chunks=0)
 
 
-def test_unknown_plugin_names_list_the_known_ones():
-    with pytest.raises(ValueError, match="unknown schedule policy 'fast'.*sequential"):
+@pytest.mark.parametrize(
+    "part,match",
+    [
+        ({"schedule": ScheduleConfig(policy="fast")}, "unknown schedule policy 'fast'.*sequential"),
+        (
+            {"collective": CollectiveConfig(algorithm="mpi")},
+            "unknown all-to-all algorithm 'mpi'.*naive",
+        ),
+    ],
+    ids=["policy", "algorithm"],
+)
+def test_unknown_plugin_names_list_the_known_ones(part, match):
+    with pytest.raises(ValueError, match=match):
         MoELayer(
             MoEConfig(
                 gate=GateConfig(num_experts=2),
                 experts=ExpertConfig(model_dim=4, hidden_dim=4),
-                schedule=ScheduleConfig(policy="fast"),
-            )
-        )
-    with pytest.raises(ValueError, match="unknown all-to-all algorithm 'mpi'.*naive"):
-        MoELayer(
-            MoEConfig(
-                gate=GateConfig(num_experts=2),
-                experts=ExpertConfig(model_dim=4, hidden_dim=4),
-                collective=CollectiveConfig(algorithm="mpi"),
+                **part,
             )
         )
 
