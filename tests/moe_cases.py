@@ -14,12 +14,50 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from schemoe import MoEConfig, MoELayer
+from schemoe import (
+    CollectiveConfig,
+    CompressionConfig,
+    ExpertConfig,
+    GateConfig,
+    MoEConfig,
+    MoELayer,
+    ParallelConfig,
+    ScheduleConfig,
+)
 from schemoe.costmodel.hardware import preset
 from schemoe.layer.reference import reference_moe
 from schemoe.tuning.auto import TUNED, AutoTuner
 
 ATOL, RTOL = 2e-5, 2e-4
+ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")  # the built-in all-to-all algorithms
+POLICIES = ("sequential", "tutel", "schemoe", "fastermoe")  # the built-in fixed-order policies
+
+
+def layer_config(
+    policy: str = "schemoe",
+    algorithm: str = "naive",
+    *,
+    chunks: int = 2,
+    experts: int = 8,
+    capacity_factor: float = 1.0,
+    dims: tuple[int, int] = (12, 20),
+    rpn: int | None = None,
+    uniform: bool = False,
+    compression: str = "none",
+    schedule: ScheduleConfig | None = None,
+    **gate,
+) -> MoEConfig:
+    """The multi-rank tests' layer: top-2 of `experts`, (model, hidden) = `dims`, `rpn` ranks per
+    node, `policy` over `chunks` (or the given `schedule`), `compression` both ways; `gate` adds
+    GateConfig fields (aux_loss_weight=...)."""
+    return MoEConfig(
+        gate=GateConfig(num_experts=experts, top_k=2, capacity_factor=capacity_factor, **gate),
+        experts=ExpertConfig(model_dim=dims[0], hidden_dim=dims[1]),
+        parallel=ParallelConfig(ranks_per_node=rpn, uniform_tokens=uniform),
+        schedule=schedule or ScheduleConfig(policy=policy, chunks=chunks),
+        collective=CollectiveConfig(algorithm=algorithm),
+        compression=CompressionConfig(forward=compression, backward=compression),
+    )
 
 
 def global_weights(layer: MoELayer, seed: int, gate_bias_rows=()) -> dict[str, torch.Tensor]:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import registered
 
+from moe_cases import ALGOS
 from schemoe.collectives import ALGORITHMS, Naive, build
 from schemoe.dist.topology import Topology
 
-ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
 # world -> ranks_per_node values (nodes x ranks per node) to run on that world's ranks.
 LAYOUTS = {1: (1,), 4: (2, 1, 4), 6: (3, 2)}
 DTYPES = (torch.float32, torch.bfloat16)

@@ -17,16 +17,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moe_cases import close, global_weights, inputs, run_reference
+from moe_cases import ALGOS, POLICIES, close, global_weights, inputs, layer_config, run_reference
 from schemoe import (
-    CollectiveConfig,
-    CompressionConfig,
     ExpertConfig,
-    GateConfig,
     MoEConfig,
     MoELayer,
-    ParallelConfig,
-    ScheduleConfig,
     compression,
 )
 from schemoe.dist import devices
@@ -38,21 +33,20 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
-POLICIES = ("sequential", "tutel", "schemoe", "fastermoe")
 COMPRESSORS = tuple(n for n in compression.COMPRESSORS.names() if n != "zfp")
 # Relative error budget per compressor (as tests/test_layer_compression.py), "none": fp32 parity.
 BUDGET = {"none": 0.0, "fp16": 2e-3, "bf16": 1.5e-2, "fp8": 0.15, "int8": 0.06}
 
 
 def cfg(policy="schemoe", algorithm="naive", comp="none", f=1.0, uniform=False, rpn=1):
-    return MoEConfig(
-        gate=GateConfig(num_experts=8, top_k=2, capacity_factor=f),
-        experts=ExpertConfig(model_dim=16, hidden_dim=32),
-        parallel=ParallelConfig(ranks_per_node=rpn, uniform_tokens=uniform),
-        schedule=ScheduleConfig(policy=policy, chunks=2),
-        collective=CollectiveConfig(algorithm=algorithm),
-        compression=CompressionConfig(forward=comp, backward=comp),
+    return layer_config(
+        policy,
+        algorithm,
+        capacity_factor=f,
+        dims=(16, 32),
+        rpn=rpn,
+        uniform=uniform,
+        compression=comp,
     )
 
 
@@ -138,11 +132,8 @@ def test_a_capacity_mode_call_with_uniform_tokens_makes_no_host_sync_on_cuda(pol
 
 def _trace_overlap(rank, world):
     torch.cuda.set_device(rank)
-    c = MoEConfig(
-        gate=GateConfig(num_experts=2 * world, top_k=2, capacity_factor=1.25),
-        experts=ExpertConfig(model_dim=1024, hidden_dim=4096),
-        parallel=ParallelConfig(uniform_tokens=True),
-        schedule=ScheduleConfig(policy="schemoe", chunks=4),
+    c = layer_config(
+        chunks=4, experts=2 * world, capacity_factor=1.25, dims=(1024, 4096), uniform=True
     )
     layer = MoELayer(c).cuda()
     x = torch.randn(8192, 1024, device="cuda", requires_grad=True)

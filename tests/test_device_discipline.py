@@ -12,15 +12,9 @@ import torch
 import torch.distributed as dist
 
 from comm_checks import CommCheck, count_host_syncs
-from schemoe import (
-    CollectiveConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    MoELayer,
-    ParallelConfig,
-    ScheduleConfig,
-)
+from moe_cases import ALGOS, layer_config
+from moe_cases import POLICIES as FIXED_POLICIES
+from schemoe import MoELayer, ScheduleConfig
 from schemoe.checkpoint import store as checkpoint
 from schemoe.costmodel.hardware import preset
 from schemoe.dist import devices
@@ -30,8 +24,7 @@ from schemoe.train.model import GPT, GPTConfig, evaluate
 from schemoe.tuning.auto import AutoTuner
 from schemoe.tuning.measure import measure
 
-ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
-POLICIES = ("sequential", "tutel", "schemoe", "fastermoe", "auto", "search")
+POLICIES = (*FIXED_POLICIES, "auto", "search")
 
 
 def cfg(policy="schemoe", algorithm="naive", f=0.0, uniform=False, r=2):
@@ -40,12 +33,13 @@ def cfg(policy="schemoe", algorithm="naive", f=0.0, uniform=False, r=2):
         if policy == "auto"
         else ScheduleConfig(policy=policy, chunks=r)
     )
-    return MoEConfig(
-        gate=GateConfig(num_experts=8, top_k=2, capacity_factor=f),
-        experts=ExpertConfig(model_dim=16, hidden_dim=24),
-        parallel=ParallelConfig(ranks_per_node=2, uniform_tokens=uniform),
+    return layer_config(
+        algorithm=algorithm,
+        capacity_factor=f,
+        dims=(16, 24),
+        rpn=2,
+        uniform=uniform,
         schedule=sched,
-        collective=CollectiveConfig(algorithm=algorithm),
     )
 
 

@@ -11,33 +11,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_cases import close, global_weights, inputs, run_layer, run_reference
-from schemoe import (
-    CollectiveConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    MoELayer,
-    ParallelConfig,
-    ScheduleConfig,
+from moe_cases import (
+    ALGOS,
+    POLICIES,
+    close,
+    global_weights,
+    inputs,
+    layer_config,
+    run_layer,
+    run_reference,
 )
+from schemoe import MoELayer
 from schemoe.checkpoint import store as checkpoint
 from schemoe.costmodel.hardware import preset
 from schemoe.layer.parallel import average_expert_gradients, clip_grad_norm_, init_expert_parallel
 from schemoe.tuning.auto import TUNED, AutoTuner
 
-ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
-POLICIES = ("sequential", "tutel", "schemoe", "fastermoe")
-
 
 def cfg(policy="schemoe", algorithm="naive", r=2, rpn=1):
-    return MoEConfig(
-        gate=GateConfig(num_experts=8, top_k=2, capacity_factor=1.0),
-        experts=ExpertConfig(model_dim=12, hidden_dim=20),
-        parallel=ParallelConfig(ranks_per_node=rpn),
-        schedule=ScheduleConfig(policy=policy, chunks=r),
-        collective=CollectiveConfig(algorithm=algorithm),
-    )
+    return layer_config(policy, algorithm, chunks=r, rpn=rpn)
 
 
 def _against_reference(rank, world, policy, algorithm):

@@ -5,28 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_cases import check_against_reference
-from schemoe import (
-    CollectiveConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
-
-ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
-POLICIES = ("sequential", "tutel", "schemoe", "fastermoe")
+from moe_cases import ALGOS, POLICIES, check_against_reference, layer_config
 
 
 def cfg(policy, r, algorithm, f):
-    return MoEConfig(
-        gate=GateConfig(num_experts=8, top_k=2, capacity_factor=f),
-        experts=ExpertConfig(model_dim=12, hidden_dim=20),
-        parallel=ParallelConfig(ranks_per_node=2),
-        schedule=ScheduleConfig(policy=policy, chunks=r),
-        collective=CollectiveConfig(algorithm=algorithm),
-    )
+    return layer_config(policy, algorithm, chunks=r, capacity_factor=f, rpn=2)
 
 
 def _against_naive(rank, world, policy, f):

@@ -9,15 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_cases import close, global_weights
+from moe_cases import close, global_weights, layer_config
 from schemoe import (
-    CollectiveConfig,
-    ExpertConfig,
     GateConfig,
     MoEConfig,
     MoELayer,
-    ParallelConfig,
-    ScheduleConfig,
 )
 from schemoe.layer.reference import reference_moe
 from schemoe.step.stack import MoEStack, Stage, run_stack
@@ -29,12 +25,15 @@ E, M, H, B, L = 8, 12, 20, 4, 5
 def cfg(
     f: float, region: str = "schemoe", r: int = 2, aux: float = 0.01, algorithm: str = "naive"
 ) -> MoEConfig:
-    return MoEConfig(
-        gate=GateConfig(num_experts=E, top_k=2, capacity_factor=f, aux_loss_weight=aux),
-        experts=ExpertConfig(model_dim=M, hidden_dim=H),
-        parallel=ParallelConfig(ranks_per_node=2),
-        schedule=ScheduleConfig(policy=region, chunks=r),
-        collective=CollectiveConfig(algorithm=algorithm),
+    return layer_config(
+        region,
+        algorithm,
+        chunks=r,
+        experts=E,
+        capacity_factor=f,
+        dims=(M, H),
+        rpn=2,
+        aux_loss_weight=aux,
     )
 
 
