@@ -30,19 +30,16 @@ Older layouts (transformers 4.x: per-expert nn.Linear modules, blocks returning
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from ..config import (
-    CollectiveConfig,
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
+from ..config import ExpertConfig, GateConfig, MoEConfig
 from ..layer.moe import MoELayer
+
+if TYPE_CHECKING:  # the optional parts of the config, left to MoEConfig's defaults when None
+    from ..config import CollectiveConfig, CompressionConfig, ParallelConfig, ScheduleConfig
 
 __all__ = ["SUPPORTED", "HFMoEBlock", "from_hf_block", "replace_moe_blocks", "to_schemoe_experts"]
 
@@ -134,6 +131,13 @@ def from_hf_block(
     renorm = SUPPORTED[type(block).__name__]
     if renorm is None:
         renorm = bool(gate.norm_topk_prob)
+    # The parts not given stay MoEConfig's defaults (stated once, there).
+    given = {
+        "parallel": parallel,
+        "schedule": schedule,
+        "collective": collective,
+        "compression": compression,
+    }
     cfg = MoEConfig(
         gate=GateConfig(
             num_experts=E,
@@ -143,10 +147,7 @@ def from_hf_block(
             aux_loss_weight=0.0,
         ),
         experts=ExpertConfig(model_dim=M, hidden_dim=ex.down_proj.shape[-1], activation="swiglu"),
-        parallel=parallel or ParallelConfig(),
-        schedule=schedule or ScheduleConfig(),
-        collective=collective or CollectiveConfig(),
-        compression=compression or CompressionConfig(),
+        **{part: value for part, value in given.items() if value is not None},
     )
     w = gate.weight
     moe = MoELayer(cfg, group=group).to(device=w.device, dtype=w.dtype)
