@@ -56,6 +56,27 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+def _signal_and_check(p: subprocess.Popen, ranks: list[int], sig: int) -> None:
+    """Send `sig` to the launcher `p`: it exits within 15 s (with 128 + SIGTERM on SIGTERM) and
+    none of its `ranks` is alive 5 s later."""
+    p.send_signal(sig)
+    p.wait(15)
+    assert _gone_within(ranks, 5.0) == []
+    if sig == signal.SIGTERM:
+        assert p.returncode == 128 + signal.SIGTERM
+
+
+def _reap(p: subprocess.Popen | None, ranks: list[int]) -> None:
+    """Kill whatever a failed check left running: the ranks, then the launcher."""
+    for r in ranks:
+        if _alive(r):
+            os.kill(r, signal.SIGKILL)
+    if p is not None and p.poll() is None:
+        p.kill()
+    if p is not None:
+        p.wait()
+
+
 def _first_line(p: subprocess.Popen, prefix: str, seconds: float) -> str:
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
@@ -81,18 +102,9 @@ def test_no_rank_outlives_the_train_launcher_killed_after_its_first_step(sig):
         _first_line(p, "step", 240)
         ranks = [c for c in _children(p.pid) if "spawn_main" in _cmdline(c)]
         assert len(ranks) == 2, [_cmdline(c) for c in _children(p.pid)]
-        p.send_signal(sig)
-        p.wait(15)
-        assert _gone_within(ranks, 5.0) == []
-        if sig == signal.SIGTERM:
-            assert p.returncode == 128 + signal.SIGTERM
+        _signal_and_check(p, ranks, sig)
     finally:
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+        _reap(p, ranks)
 
 
 CHILD = """
@@ -128,15 +140,7 @@ def test_no_rank_outlives_the_testbed_launcher(sig, tmp_path):
         time.sleep(0.2)  # both pid files written in full
         ranks = [int((pids / f).read_text()) for f in os.listdir(pids)]
         assert len(ranks) == 2
-        p.send_signal(sig)
-        p.wait(15)
-        assert _gone_within(ranks, 5.0) == []
-        if sig == signal.SIGTERM:
-            assert p.returncode == 128 + signal.SIGTERM
+        _signal_and_check(p, ranks, sig)
     finally:
-        for r in ranks:
-            if _alive(r):
-                os.kill(r, signal.SIGKILL)
-        if p is not None and p.poll() is None:
-            p.kill()
+        _reap(p, ranks)
         netns.down()
