@@ -1,7 +1,8 @@
 """schemoe: Mixture-of-Experts training with scheduled, overlapped expert-parallel communication.
 
-`import schemoe` loads the library (layers, scheduling, plug-ins); the tools (profiler, bench,
-testbed) and the planning layers (costmodel, autotune) load when imported."""
+`import schemoe` loads the library (layers, scheduling, plug-ins); the planning and tuning tiers
+(costmodel, tuning), training (train, checkpoint) and the tools (bench, profile, testbed, cli)
+load when imported. The tier order is schemoe/tiers.py."""
 
 from . import collectives, compression, scheduling, trace
 from .config import (

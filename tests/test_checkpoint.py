@@ -22,6 +22,7 @@ from schemoe.checkpoint import store as checkpoint
 from schemoe.dist.launch import spawn
 from schemoe.train import loop as T
 from schemoe.train.model import GPT, GPTConfig, eval_windows, evaluate, load_corpus
+from schemoe.train.setup import optimizer
 
 
 def tiny(*extra: str):
@@ -35,7 +36,7 @@ def build(a):
         T.moe_config_from_args(a),
         seed=a.seed,
     )
-    return core, T._optimizer(core, a)
+    return core, optimizer(core, a.lr, a.weight_decay)
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:

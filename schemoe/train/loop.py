@@ -53,7 +53,7 @@ from .config import TrainConfig
 from .model import evaluate, load_corpus
 from .report import finite_or_none, plot
 from .resume import apply_resume, nothing_to_do
-from .setup import PARTS, Run, optimizer, restore, setup
+from .setup import PARTS, Run, restore, setup
 from .step import StepRecord, train_step
 
 __all__ = [
@@ -78,11 +78,6 @@ def moe_config_from_args(
 ) -> MoEConfig:
     """Every MoEConfig field of a run's settings (`world`: the rank count, for the default E)."""
     return as_config(a).moe_config(world)
-
-
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The run's optimizer for `cfg` (tests/test_checkpoint.py builds its own with it)."""
-    return optimizer(model, cfg.lr, cfg.weight_decay)
 
 
 def lr_at(step: int, a: TrainConfig) -> float:
