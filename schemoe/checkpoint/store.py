@@ -50,16 +50,7 @@ from .files import rank_world as _rank_world
 from .files import read as _read
 from .files import write as _write
 
-__all__ = [
-    "Loaded",
-    "export",
-    "export_model",
-    "load",
-    "load_export",
-    "register",
-    "resolve",
-    "save",
-]
+__all__ = ["Loaded", "export", "export_model", "load", "load_export", "register", "resolve", "save"]
 
 FORMAT, EXPORT_FORMAT = "schemoe-checkpoint/1", "schemoe-export/1"
 _STACKED = re.compile(r"^(.*)\[(\d+)\]$")
