@@ -4,7 +4,9 @@ TrainConfig's defaults. `TrainConfig.from_args(parse_args(argv))` checks them (s
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import MISSING, fields
+from typing import Any
 
 from .. import compression
 from ..cliargs import Parser
@@ -27,90 +29,72 @@ def micro_chunks_arg(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
+def _defaulted(add: Callable[..., Any]) -> Callable[..., Any]:
+    """`add` (an add_argument) giving each flag its setting's TrainConfig default."""
+
+    def flag(name: str, **kw: Any) -> Any:
+        kw.setdefault("default", D[name.lstrip("-").replace("-", "_")])
+        return add(name, **kw)
+
+    return flag
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig setting (its field name, dashed), in --help's groups. Long
     because it is a flat list of declarations, one or two lines each."""
     p.record_explicit = True  # --resume takes what the command line does not give
-    a = p.add_argument
-    a("--nproc", type=int, default=D["nproc"], help="local ranks to spawn (not under torchrun)")
-    a("--steps", type=int, default=D["steps"], help="total steps (the LR schedule's length)")
-    a("--batch", type=int, default=D["batch"], help="sequences per rank per micro-batch")
-    a("--grad-accum", type=int, default=D["grad_accum"],
+    a = _defaulted(p.add_argument)
+    a("--nproc", type=int, help="local ranks to spawn (not under torchrun)")
+    a("--steps", type=int, help="total steps (the LR schedule's length)")
+    a("--batch", type=int, help="sequences per rank per micro-batch")
+    a("--grad-accum", type=int,
       help="micro-batches per optimizer step (gradients accumulated; DDP syncs on the last)")  # fmt: skip
-    a("--seq-len", type=int, default=D["seq_len"], help="tokens per sequence")
-    a("--layers", type=int, default=D["layers"], help="transformer blocks")
-    a("--heads", type=int, default=D["heads"], help="attention heads")
-    a("--moe-every", type=int, default=D["moe_every"], help="an MoE FFN in every n-th block")
-    a(
-        "--ep-size",
-        type=int,
-        default=D["ep_size"],
-        help="expert-parallel group size (default: all ranks)",
-    )
-    a("--device", choices=DEVICES, default=D["device"],
+    a("--seq-len", type=int, help="tokens per sequence")
+    a("--layers", type=int, help="transformer blocks")
+    a("--heads", type=int, help="attention heads")
+    a("--moe-every", type=int, help="an MoE FFN in every n-th block")
+    a("--ep-size", type=int, help="expert-parallel group size (default: all ranks)")
+    a("--device", choices=DEVICES,
       help="cuda: NCCL, model on cuda:LOCAL_RANK; cpu: gloo (default: cuda when available)")  # fmt: skip
-    a("--dtype", choices=DTYPES, default=D["dtype"],
+    a("--dtype", choices=DTYPES,
       help="compute dtype of forward and loss: bf16 runs them under torch.autocast; weights, "
       "gradients and optimizer state stay fp32")  # fmt: skip
-    m = p.add_argument_group("MoE layer (every MoEConfig field)").add_argument
-    m("--model-dim", type=int, default=D["model_dim"], help="model (embedding) dim M")
-    m("--hidden-dim", type=int, default=D["hidden_dim"], help="expert (and dense FFN) hidden dim H")
-    m("--experts", type=int, default=D["experts"], help="E (default: 2 per expert-parallel rank)")
-    m("--top-k", type=int, default=D["top_k"], help="experts per token k")
-    m("--capacity-factor", type=float, default=D["capacity_factor"], help="f; 0 = dropless")
-    m("--renormalize", action=argparse.BooleanOptionalAction, default=D["renormalize"],
+    m = _defaulted(p.add_argument_group("MoE layer (every MoEConfig field)").add_argument)
+    m("--model-dim", type=int, help="model (embedding) dim M")
+    m("--hidden-dim", type=int, help="expert (and dense FFN) hidden dim H")
+    m("--experts", type=int, help="E (default: 2 per expert-parallel rank)")
+    m("--top-k", type=int, help="experts per token k")
+    m("--capacity-factor", type=float, help="f; 0 = dropless")
+    m("--renormalize", action=argparse.BooleanOptionalAction,
       help="renormalise the top-k gate weights to sum to 1")  # fmt: skip
-    m("--noise-std", type=float, default=D["noise_std"], help="router logit noise in training")
-    m("--priority", choices=("position", "score"), default=D["priority"],
+    m("--noise-std", type=float, help="router logit noise in training")
+    m("--priority", choices=("position", "score"),
       help="which tokens keep a slot when an expert is full")  # fmt: skip
-    m(
-        "--aux-loss-weight",
-        type=float,
-        default=D["aux_loss_weight"],
-        help="load-balancing loss weight",
-    )
-    m("--z-loss-weight", type=float, default=D["z_loss_weight"], help="router z-loss weight")
-    m(
-        "--bias-update-rate",
-        type=float,
-        default=D["bias_update_rate"],
-        help="> 0: aux-loss-free expert bias",
-    )
-    m(
-        "--activation",
-        choices=("relu", "gelu", "swiglu"),
-        default=D["activation"],
-        help="expert FFN activation",
-    )
+    m("--aux-loss-weight", type=float, help="load-balancing loss weight")
+    m("--z-loss-weight", type=float, help="router z-loss weight")
+    m("--bias-update-rate", type=float, help="> 0: aux-loss-free expert bias")
+    m("--activation", choices=("relu", "gelu", "swiglu"), help="expert FFN activation")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
-    m("--ranks-per-node", type=int, default=D["ranks_per_node"],
+    m("--ranks-per-node", type=int,
       help="ranks per node for hierarchical algorithms (default: the launcher's, else all)")  # fmt: skip
     # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares), so
     # capacity-mode splits follow from the config: no counts exchange, no host sync.
-    m("--uniform-tokens", action=argparse.BooleanOptionalAction, default=D["uniform_tokens"],
+    m("--uniform-tokens", action=argparse.BooleanOptionalAction,
       help="every rank routes the same tokens per call (default: yes, as this trainer does)")  # fmt: skip
-    m("--policy", default=D["policy"],
+    m("--policy",
       help=f"schedule policy: {', '.join(POLICIES.names())}, or auto (the cost model chooses)")  # fmt: skip
-    m("--chunks", type=int, default=D["chunks"], help="r, chunks per layer call")
-    m("--micro-chunks", type=micro_chunks_arg, default=D["micro_chunks"],
+    m("--chunks", type=int, help="r, chunks per layer call")
+    m("--micro-chunks", type=micro_chunks_arg,
       help="m: the batch cut into m micro-chunks pipelined through the blocks (1: off); auto: "
            "the stack's cost model chooses m before the model is built")  # fmt: skip
-    m("--budget", choices=("lossless", "fp16", "lossy"), default=D["budget"],
+    m("--budget", choices=("lossless", "fp16", "lossy"),
       help="auto: the compressors it may choose")  # fmt: skip
-    m("--trials", type=int, default=D["trials"], help="auto: timed calls per shortlisted candidate")
-    m("--shortlist", type=int, default=D["shortlist"], help="auto: candidates the model shortlists")
-    m(
-        "--algorithm",
-        default=D["algorithm"],
-        help=f"all-to-all algorithm: {', '.join(ALGORITHMS.names())}",
-    )
-    m("--compressor", default=D["compressor"],
+    m("--trials", type=int, help="auto: timed calls per shortlisted candidate")
+    m("--shortlist", type=int, help="auto: candidates the model shortlists")
+    m("--algorithm", help=f"all-to-all algorithm: {', '.join(ALGORITHMS.names())}")
+    m("--compressor",
       help=f"forward (activation) compressor: {', '.join(compression.COMPRESSORS.names())}")  # fmt: skip
-    m(
-        "--compressor-backward",
-        default=D["compressor_backward"],
-        help="gradient compressor (same names)",
-    )
+    m("--compressor-backward", help="gradient compressor (same names)")
     m(
         "--compressor-option",
         action="append",
@@ -118,85 +102,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME.KEY=VALUE",
         help="compressor option, e.g. zfp.rate=4 (repeatable)",
     )
-    o = p.add_argument_group("optimisation and evaluation").add_argument
-    o("--lr", type=float, default=D["lr"], help="peak learning rate")
-    o(
-        "--min-lr-ratio",
-        type=float,
-        default=D["min_lr_ratio"],
-        help="cosine decays to lr * this (0..1)",
-    )
-    o("--warmup", type=int, default=D["warmup"], help="linear warm-up steps (default: steps // 10)")
-    o("--weight-decay", type=float, default=D["weight_decay"], help="AdamW decay of matrices")
-    o("--clip", type=float, default=D["clip"], help="max global grad norm (0 = no clipping)")
-    o(
-        "--eval-every",
-        type=int,
-        default=D["eval_every"],
-        help="eval loss every n steps (and at the end)",
-    )
-    o(
-        "--eval-seqs",
-        type=int,
-        default=D["eval_seqs"],
-        help="held-out sequences per eval (0 = no eval)",
-    )
-    o("--seed", type=int, default=D["seed"], help="seed of init, data order and router noise")
-    o(
-        "--corpus",
-        default=D["corpus"],
-        help="text file or folder (default: Python's stdlib sources)",
-    )
-    o("--corpus-bytes", type=int, default=D["corpus_bytes"], help="bytes of the corpus read")
-    s = p.add_argument_group("gradient synchronisation (dense weights)").add_argument
+    o = _defaulted(p.add_argument_group("optimisation and evaluation").add_argument)
+    o("--lr", type=float, help="peak learning rate")
+    o("--min-lr-ratio", type=float, help="cosine decays to lr * this (0..1)")
+    o("--warmup", type=int, help="linear warm-up steps (default: steps // 10)")
+    o("--weight-decay", type=float, help="AdamW decay of matrices")
+    o("--clip", type=float, help="max global grad norm (0 = no clipping)")
+    o("--eval-every", type=int, help="eval loss every n steps (and at the end)")
+    o("--eval-seqs", type=int, help="held-out sequences per eval (0 = no eval)")
+    o("--seed", type=int, help="seed of init, data order and router noise")
+    o("--corpus", help="text file or folder (default: Python's stdlib sources)")
+    o("--corpus-bytes", type=int, help="bytes of the corpus read")
+    s = _defaulted(p.add_argument_group("gradient synchronisation (dense weights)").add_argument)
     s(
         "--grad-sync",
-        default=D["grad_sync"],
         choices=SYNCS,
         help="ddp: DDP's all-reduce; scheduled: buckets posted into idle network time",
     )
     s(
         "--grad-compressor",
-        default=D["grad_compressor"],
         choices=sorted(COMPRESS),
         help="bucket dtype on the wire (ddp: torch's bf16/fp16 compress hooks)",
     )
     s(
         "--grad-algorithm",
-        default=D["grad_algorithm"],
         choices=GRAD_SYNCS.names(),
         help="scheduled: flat all-reduce, or hier (node reduce, leaders, node broadcast)",
     )
-    s("--bucket-mb", type=float, default=D["bucket_mb"],
+    s("--bucket-mb", type=float,
       help="DDP bucket size in MiB (default 25 with ddp, 1 with scheduled)")  # fmt: skip
-    r = p.add_argument_group("checkpoints, output, failures").add_argument
-    r("--save", default=D["save"], metavar="DIR",
+    r = _defaulted(p.add_argument_group("checkpoints, output, failures").add_argument)
+    r("--save", metavar="DIR",
       help="checkpoint folder, written at the end (default with --resume: its folder)")  # fmt: skip
-    r("--save-every", type=int, default=D["save_every"], help="also save every n steps")
-    r("--resume", default=D["resume"], metavar="DIR",
+    r("--save-every", type=int, help="also save every n steps")
+    r("--resume", metavar="DIR",
       help="resume a checkpoint (any rank count) with its saved arguments; flags given here "
       "override them, except the model's shape")  # fmt: skip
-    r("--stop-after", type=int, default=D["stop_after"], help="stop at this step (resume later)")
-    r(
-        "--export",
-        default=D["export"],
-        metavar="PATH",
-        help="single-file unsharded model at the end",
-    )
-    r("--plot", default=D["plot"], metavar="PNG", help="loss curve image (rank 0)")
-    r("--log-every", type=int, default=D["log_every"], help="a step line every n steps")
-    r("--log-file", default=D["log_file"], metavar="JSONL",
+    r("--stop-after", type=int, help="stop at this step (resume later)")
+    r("--export", metavar="PATH", help="single-file unsharded model at the end")
+    r("--plot", metavar="PNG", help="loss curve image (rank 0)")
+    r("--log-every", type=int, help="a step line every n steps")
+    r("--log-file", metavar="JSONL",
       help="per-step metrics, one JSON object a line (rank 0): loss, lr, grad norm, tokens/s, "
       "step parts, per MoE layer the expert load and dropped fraction")  # fmt: skip
-    r("--tensorboard", default=D["tensorboard"], metavar="DIR",
+    r("--tensorboard", metavar="DIR",
       help="the same metrics as TensorBoard scalars (needs the tensorboard package)")  # fmt: skip
     r(
         "--check-finite",
         action="store_true",
         help="name the module/step of the first NaN/Inf (a non-finite loss always stops the run)",
     )
-    r("--threads", type=int, default=D["threads"], help="torch threads per rank")
-    r("--timeout", type=float, default=D["timeout"], help="collective timeout in seconds")
+    r("--threads", type=int, help="torch threads per rank")
+    r("--timeout", type=float, help="collective timeout in seconds")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

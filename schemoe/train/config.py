@@ -30,17 +30,9 @@ from typing import Any
 import torch
 
 from .. import compression
+from .. import config as layer_config
 from ..cliargs import for_flag
 from ..collectives import ALGORITHMS
-from ..config import (
-    CollectiveConfig,
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, GRAD_SYNCS, SYNCS
 from .checks import check_corpus, check_paths
@@ -56,22 +48,23 @@ NOT_SETTINGS = ("func", "command", "explicit")
 # Each MoEConfig section: its class and its fields (as its errors name them) -> the TrainConfig
 # field (the flag). The MoEConfig is built from this table and its errors are spelled by it.
 MOE_FLAGS: dict[str, tuple[type, dict[str, str]]] = {
-    "gate": (GateConfig, {
+    "gate": (layer_config.GateConfig, {
         "num_experts": "experts", "top_k": "top_k", "capacity_factor": "capacity_factor",
         "renormalize": "renormalize", "noise_std": "noise_std", "priority": "priority",
         "aux_loss_weight": "aux_loss_weight", "z_loss_weight": "z_loss_weight",
         "bias_update_rate": "bias_update_rate"}),
-    "experts": (ExpertConfig, {"model_dim": "model_dim", "hidden_dim": "hidden_dim",
-                               "activation": "activation", "bias": "expert_bias"}),
-    "parallel": (ParallelConfig, {"ranks_per_node": "ranks_per_node",
-                                  "uniform_tokens": "uniform_tokens"}),
-    "schedule": (ScheduleConfig, {"policy": "policy", "chunks": "chunks",
-                                  "accuracy_budget": "budget", "trials": "trials",
-                                  "shortlist": "shortlist"}),
-    "collective": (CollectiveConfig, {"algorithm": "algorithm"}),
-    "compression": (CompressionConfig, {"forward": "compressor",
-                                        "backward": "compressor_backward",
-                                        "options": "compressor_option"}),
+    "experts": (layer_config.ExpertConfig, {
+        "model_dim": "model_dim", "hidden_dim": "hidden_dim", "activation": "activation",
+        "bias": "expert_bias"}),
+    "parallel": (layer_config.ParallelConfig, {
+        "ranks_per_node": "ranks_per_node", "uniform_tokens": "uniform_tokens"}),
+    "schedule": (layer_config.ScheduleConfig, {
+        "policy": "policy", "chunks": "chunks", "accuracy_budget": "budget", "trials": "trials",
+        "shortlist": "shortlist"}),
+    "collective": (layer_config.CollectiveConfig, {"algorithm": "algorithm"}),
+    "compression": (layer_config.CompressionConfig, {
+        "forward": "compressor", "backward": "compressor_backward",
+        "options": "compressor_option"}),
 }  # fmt: skip
 # Lower bounds: ints, then floats (name, low, high, low is strict).
 INT_MIN = (("nproc", 1), ("steps", 1), ("batch", 1), ("grad_accum", 1), ("seq_len", 1),
@@ -274,11 +267,11 @@ class TrainConfig:
             return self.experts
         return 2 * (self.ep_size or world or 1)
 
-    def moe_config(self, world: int | None = None) -> MoEConfig:
+    def moe_config(self, world: int | None = None) -> layer_config.MoEConfig:
         """Every MoEConfig field (`world`: the rank count, for the default expert count)."""
         return self._moe(self.num_experts(world))
 
-    def _moe(self, experts: int) -> MoEConfig:
+    def _moe(self, experts: int) -> layer_config.MoEConfig:
         """The MoEConfig with E = `experts`, built by MOE_FLAGS; an error names the flags."""
         sections = {"compression": self._compression()}
         for section, (cls, names) in MOE_FLAGS.items():
@@ -291,9 +284,9 @@ class TrainConfig:
                 sections[section] = cls(**kwargs)
             except (ValueError, TypeError) as e:
                 raise spelled_with_flags(e, names, section) from None
-        return MoEConfig(**sections)
+        return layer_config.MoEConfig(**sections)
 
-    def _compression(self) -> CompressionConfig:
+    def _compression(self) -> layer_config.CompressionConfig:
         """The compression section, after checking its options (every one names a compressor
         the run uses, unless --policy auto may choose others; an option it takes; a value of its
         type) and building the compressors the run names: an unknown name is blamed on its
@@ -308,7 +301,7 @@ class TrainConfig:
         for n, name in zip(("compressor", "compressor_backward"), used, strict=True):
             with for_flag("--compressor-option" if options.get(name) else flag(n)):
                 compression.build(name, options)  # ImportError: a package it needs is missing
-        return CompressionConfig(forward=used[0], backward=used[1], options=options)
+        return layer_config.CompressionConfig(forward=used[0], backward=used[1], options=options)
 
     def validate(self, world: int | None) -> None:
         """What depends on the machine (`world`: the rank count, None when not known yet): the
