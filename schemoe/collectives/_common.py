@@ -292,10 +292,12 @@ class Algorithm:
 class Threaded(Algorithm):
     """Base of the single-link algorithms whose whole transfer runs on their own `CommThread`.
 
-    A subclass sets `name` and `links`, calls `Threaded.__init__(self, topology)` (which sets
-    `self.topo` and the instance's thread), and implements `_run(x, send, recv, out)`, which
-    moves the rows and fills `out` (called on the thread, or on the calling thread where the
-    backend forbids worker threads: NCCL)."""
+    A subclass sets `name`, calls `Threaded.__init__(self, topology)` (which sets `self.topo`
+    and the instance's thread), and implements `_run(x, send, recv, out)`, which moves the rows
+    and fills `out` (called on the thread, or on the calling thread where the backend forbids
+    worker threads: NCCL). Its one link is "net"."""
+
+    links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
         self.topo = topology

@@ -37,7 +37,6 @@ class Hier2D(Threaded):
     """2D hierarchical all-to-all: node exchange, permute, exchange among same-local-rank peers."""
 
     name = "hier2d"
-    links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)

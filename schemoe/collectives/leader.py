@@ -31,7 +31,6 @@ class Leader(Threaded):
     """Gather to the node leader, all-to-all among leaders, scatter back."""
 
     name = "leader"
-    links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)

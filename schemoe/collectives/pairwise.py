@@ -28,7 +28,6 @@ class Pairwise(Threaded):
     """Serialised pairwise exchange over a communicator of its own (tag "pairwise")."""
 
     name = "pairwise"
-    links = ("net",)
 
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)
