@@ -28,6 +28,7 @@ several micro-chunks' transfers run on gloo's threads.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..scheduling import (
     POLICIES,
@@ -166,27 +167,15 @@ def predict_stack(
 def choose_micro(
     hw: Hardware,
     shape: StepShape,
-    policy: str = "schemoe",
-    algorithm: str = "naive",
-    chunks: int = 1,
-    *,
+    *plan: Any,
     candidates: tuple[int, ...] = (1, 2, 4, 8),
-    stack_policy: str = "wavefront",
-    grad_sync: bool = False,
+    **options: Any,
 ) -> tuple[int, dict[int, StackPrediction]]:
     """The micro-chunk count among `candidates` (those dividing the batch) with the smallest
-    predicted blocks' step, and every candidate's prediction."""
+    predicted blocks' step, and every candidate's prediction. `plan` (policy, algorithm, chunks)
+    and `options` (stack_policy, grad_sync, ...) are `predict_stack`'s."""
     preds = {
-        m: predict_stack(
-            hw,
-            shape,
-            policy,
-            algorithm,
-            chunks,
-            micro=m,
-            stack_policy=stack_policy,
-            grad_sync=grad_sync,
-        )
+        m: predict_stack(hw, shape, *plan, micro=m, **options)
         for m in candidates
         if m >= 1 and shape.batch % m == 0
     }
