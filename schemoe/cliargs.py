@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import functools
 import math
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -101,9 +102,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose help uses HelpFormatter; its sub-parsers (add_subparsers makes
     them of the parser's own class) do too. An error is one line, "PROG: error: MESSAGE" (no
-    usage block), exit status 2; `add_checks` attaches a Check per flag, run after parsing."""
+    usage block), exit status 2; `add_checks` attaches a Check per flag, run after parsing.
+    `@FILE` stands for the arguments written in FILE (shell words, `#` comments), so a
+    configuration can live in a file: `schemoe train @examples/qwen3_moe.args --steps 80`."""
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs) -> None:
+        kwargs.setdefault("fromfile_prefix_chars", "@")
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
         self.record_explicit = False  # set by a command that needs to know what was typed
         self.checks: dict[str, tuple[str, Check]] = {}  # flag -> (dest, its check)
@@ -114,6 +118,9 @@ class Parser(argparse.ArgumentParser):
         for flag, check in checks.items():
             if flag in self._option_string_actions:
                 self.checks[flag] = (self._option_string_actions[flag].dest, check)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        return shlex.split(arg_line, comments=True)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")

@@ -197,3 +197,12 @@ def test_the_rank_count_checks_run_in_validate():
         cfg.validate(1)  # E = 2
     with pytest.raises(ValueError, match="--top-k 3 must be <= --experts 2"):
         tiny("--top-k", "3", "--experts", "2")
+
+
+def test_an_arguments_file_stands_for_its_flags_and_later_flags_override_it(tmp_path):
+    f = tmp_path / "run.args"
+    f.write_text("# a configuration\n--steps 3 --layers 2  # two blocks\n--top-k 1\n")
+    a = T.parse_args([f"@{f}", "--steps", "5"])
+    cfg = TrainConfig.from_args(a)
+    assert (cfg.steps, cfg.layers, cfg.top_k) == (5, 2, 1)
+    assert {"steps", "layers", "top_k"} <= set(a.explicit)
