@@ -188,6 +188,47 @@ def gradient_bytes(shape: StepShape) -> float:
     return 4.0 * shape.dense_params()
 
 
+def _backward_span(
+    segments: list[tuple[float, list[tuple[float, float]], float]],
+    by_seg: dict[int, list[float]],
+    grad_sync: str,
+) -> float:
+    """The backward's end: `segments` (compute seconds, a region's link intervals relative to
+    its start, gradient bytes) run in order on the compute; after segment k its buckets
+    (`by_seg[k]`, all-reduce seconds) queue for the link. ddp posts them FIFO as soon as they are
+    ready and a region's transfers wait behind them; scheduled posts only those that end before
+    the next region's first transfer (the gaps), the rest after."""
+    now, link = 0.0, 0.0
+    pending: deque[tuple[float, float]] = deque()  # (ready time, seconds)
+
+    def post(until: float | None) -> None:
+        """Post pending buckets FIFO (scheduled: only those that can start before `until`)."""
+        nonlocal link
+        while pending and (until is None or max(pending[0][0], link) < until):
+            r, d = pending.popleft()
+            link = max(r, link) + d
+
+    for k, (dur, intervals, _) in enumerate(segments):
+        if not intervals:  # dense compute: the link is free for buckets
+            post(None if grad_sync == "ddp" else now + dur)
+            now += dur
+        else:  # a region: its transfers wait for what is on the link when it starts
+            if grad_sync == "ddp":
+                post(None)
+            delay = max(0.0, link - now - intervals[0][0])
+            for a, b in intervals:  # the region's transfers, shifted by the delay
+                a, b = now + delay + a, now + delay + b
+                if grad_sync == "scheduled":  # buckets that fit in the idle gap before it
+                    while pending and max(pending[0][0], link) + pending[0][1] <= a:
+                        r, d = pending.popleft()
+                        link = max(r, link) + d
+                link = max(link, b)
+            now += dur + delay
+        pending.extend((now, d) for d in by_seg.get(k, []))
+    post(None)
+    return max(now, link)
+
+
 def predict_step(
     hw: Hardware,
     shape: StepShape,
@@ -238,35 +279,7 @@ def predict_step(
     by_seg: dict[int, list[float]] = {}  # segment -> its buckets' all-reduce seconds
     for seg, nbytes in _buckets([s[2] for s in segments], bucket_bytes):
         by_seg.setdefault(seg, []).append(allreduce_time(hw, nbytes * ratio, grad_algorithm))
-    now, link = 0.0, 0.0
-    pending: deque[tuple[float, float]] = deque()  # (ready time, seconds)
-
-    def post(until: float | None) -> None:
-        """Post pending buckets FIFO (scheduled: only those that can start before `until`)."""
-        nonlocal link
-        while pending and (until is None or max(pending[0][0], link) < until):
-            r, d = pending.popleft()
-            link = max(r, link) + d
-
-    for k, (dur, intervals, _) in enumerate(segments):
-        if not intervals:  # dense compute: the link is free for buckets
-            post(None if grad_sync == "ddp" else now + dur)
-            now += dur
-        else:  # a region: its transfers wait for what is on the link when it starts
-            if grad_sync == "ddp":
-                post(None)
-            delay = max(0.0, link - now - intervals[0][0])
-            for a, b in intervals:  # the region's transfers, shifted by the delay
-                a, b = now + delay + a, now + delay + b
-                if grad_sync == "scheduled":  # buckets that fit in the idle gap before it
-                    while pending and max(pending[0][0], link) + pending[0][1] <= a:
-                        r, d = pending.popleft()
-                        link = max(r, link) + d
-                link = max(link, b)
-            now += dur + delay
-        pending.extend((now, d) for d in by_seg.get(k, []))
-    post(None)
-    backward = max(now, link)
+    backward = _backward_span(segments, by_seg, grad_sync)
     optimizer = optimizer_time(hw, shape)
     a2a_s = sum(b - a for a, b in a2a) * 2 * sum(shape.is_moe(i) for i in range(shape.layers))
     buckets = sum(d for ds in by_seg.values() for d in ds)
