@@ -100,8 +100,9 @@ def _step_figure(name: str, stem: str, title: str, rate: str, flags: tuple[str, 
                   tuple(s.out for s in steps))  # fmt: skip
 
 
-def _figures() -> list[Figure]:
-    f = [
+def _transfer_figures() -> list[Figure]:
+    """The all-to-all algorithms and the layer on the shaped testbeds."""
+    return [
         Figure("layer_400mbit", "One MoE layer, forward + backward, 400 Mbit/s (results.md)",
                TestbedSpec("400mbit"),
                (Step(_bench("layer", *LAYER, "--algorithms", "naive,pipe", "--chunks", "1,2,4",
@@ -135,6 +136,12 @@ def _figures() -> list[Figure]:
                             "none,fp16,int8,zfp/none", "--chunks", "2,4", "--repeats", "5"),
                      "layer_compress_2node_200mbit.txt"),),
                2, tables.layer_compress, ("layer_compress_2node_200mbit.txt",)),
+    ]  # fmt: skip
+
+
+def _step_figures() -> list[Figure]:
+    """Training accuracy, whole steps, and training on the testbed."""
+    return [
         Figure("train_compress_accuracy", "Training accuracy with compressed all-to-alls (results.md)",
                None,
                tuple(Step((*CLI, "train", "--nproc", "2", "--steps", "60", "--compressor", c,
@@ -183,6 +190,13 @@ def _figures() -> list[Figure]:
                      "train_testbed_100mbit_sequential.txt", True)),
                5, partial(tables.train_policies, names=("auto", "sequential")),
                (None, "train_testbed_100mbit_auto.txt", "train_testbed_100mbit_sequential.txt")),
+    ]  # fmt: skip
+
+
+def _cost_figures() -> list[Figure]:
+    """The executor's overhead, the DeepSpeed compute reference, auto without a profile and the
+    cost model against measured rows, per shape."""
+    f = [
         Figure("overhead", "Executor overhead (results.md)", None,
                (Step(("-m", "schemoe.bench.overhead"), "overhead.txt"),), 1, tables.overhead),
         Figure("layer_vs_deepspeed_loopback", "Layer compute against DeepSpeed (reliability.md)",
@@ -216,7 +230,7 @@ def _figures() -> list[Figure]:
     return f
 
 
-FIGURES = _figures()
+FIGURES = _transfer_figures() + _step_figures() + _cost_figures()
 
 
 def by_name(names: Sequence[str]) -> list[Figure]:
