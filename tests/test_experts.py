@@ -10,13 +10,17 @@ values summed over K = M or H terms).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from moe_cases import check_against_reference, close
 from schemoe import ExpertConfig, GateConfig, MoEConfig
+from schemoe.bench import cli as bench_cli
+from schemoe.bench import layer as bench_layer
 from schemoe.experts import grouped
 from schemoe.experts.ffn import BatchedFFN
 from schemoe.experts.grouped import group_mm, grouped_kernel, loop_mm
@@ -184,3 +188,43 @@ def _layer(rank, world, f, impl):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_the_layer_with_grouped_experts_matches_the_reference(ranks, world, f):
     assert all(ranks(world).run(_layer, f, "grouped"))
+
+
+# ------------------------------------------------------------------ bench layer's expert rows
+def _bench_args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="schemoe")
+    bench_cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", "layer", "--tokens", "32", "--model-dim", "16",
+                              "--hidden-dim", "24", "--warmup", "0", "--repeats", "1",
+                              "--timeout", "120", *extra])  # fmt: skip
+
+
+def test_bench_layer_times_grouped_loop_dropless_padded_and_dense_rows_in_one_run(capfd):
+    args = _bench_args("--nproc", "1", "--experts-impl", "grouped,loop", "--dense-bound")
+    assert args.func(args) == 0
+    out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["policy"], r["algorithm"], r["compressor"]) for r in out["experts"]["rows"]}
+    for shape in ("E8 k2 H24", "E64 k6 H8"):  # k x H = 48 for both
+        for impl in ("grouped", "loop"):
+            assert {(shape, impl, m) for m in ("dropless", "f=1.25", "experts only")} <= rows
+        assert any(r[:2] == (shape, "dense bound") for r in rows)
+    assert set(out["experts"]["ratios"]) >= {
+        "E8 k2 H24: dropless grouped / loop f=1.25",
+        "E64 k6 H8: grouped experts / dense bound",
+        "dropless grouped: E64 k6 H8 / E8 k2 H24",
+    }
+    assert [r["policy"] for r in out["results"]] == ["sequential"]  # the usual rows stay
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--experts-impl", "bmm"], "--experts-impl: unknown bmm"),
+        (["--dense-bound"], "--dense-bound .* add --experts-impl"),
+        (["--experts-impl", "grouped", "--expert-shapes", "8x2,64x5"], "--hidden-dim 24"),
+        (["--experts-impl", "grouped", "--expert-shapes", "4x6"], "k must be in 1..E"),
+    ],
+)
+def test_bench_layer_refuses_expert_flags_that_cannot_run_naming_the_flag(extra, message):
+    with pytest.raises(ValueError, match=message):
+        bench_layer.validate(_bench_args(*extra))
