@@ -44,8 +44,12 @@ def _init(t: torch.Tensor, fan_in: int, seeds: Sequence[int]) -> None:
 class BatchedFFN(nn.Module):
     """y = W2 act(W1 x + b1) + b2 per expert; swiglu: y = W2 (silu(W1 x) * (W3 x)).
 
+    forward(x [N, M], counts) takes rows sorted by local expert (`counts[e]` rows for expert e)
+    and returns [N, M]; `cfg.impl` picks one grouped matmul per projection ("grouped") or one
+    matmul per expert and projection ("loop"), on the same weights.
+
     Args:
-        cfg: dims and activation.
+        cfg: dims, activation and impl.
         num_local: El, experts held by this rank.
         first_expert: global index of the first local expert (for initialisation).
         seed: base seed of the per-expert initialisation.
