@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config as c
+from ..cliargs import names
 from ..dist.timing import Stats
 from ..experts.ffn import BatchedFFN
 from ..layer.moe import MoELayer
@@ -55,9 +56,9 @@ def _shape_list(text: str) -> list[tuple[int, int]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert rows (grouped vs loop, dropless vs padded, dense bound)")
-    g.add_argument("--experts-impl", type=lambda s: [n.strip() for n in s.split(",")],
+    g.add_argument("--experts-impl", type=names,
                    default=[], help=f"comma list of: {', '.join(IMPLS)}; adds the expert rows")  # fmt: skip
-    g.add_argument("--expert-shapes", type=_shape_list, default=[(8, 2), (64, 6)],
+    g.add_argument("--expert-shapes", type=_shape_list, default="8x2,64x6",
                    help="comma list of E x k; hidden dim scaled so k x H stays constant")  # fmt: skip
     g.add_argument("--dense-bound", action="store_true",
                    help="also time the expert compute alone and one dense FFN of its FLOPs")  # fmt: skip
