@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from schemoe import ExpertConfig, MoEConfig, MoELayer, ParallelConfig
 from schemoe.config import GateConfig
 from schemoe.dist.launch import spawn
 from schemoe.dist.topology import Topology
@@ -82,3 +83,56 @@ def test_combine_restores_token_order_from_the_metadata_alone():
     rows, meta = _dispatch(d, gate, x.float())
     y = d.combine(rows, meta)  # experts = identity, k = 1 renormalised: y == x
     assert y.dtype == torch.float32 and torch.allclose(y, x.float())
+
+
+# ------------------------------------------------------------------ host syncs
+_READBACKS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+class _Readbacks:
+    """Counts, inside the block, the Tensor methods that copy a value to the host (a host sync
+    on a GPU); on the CPU the same calls mark where a GPU run would wait."""
+
+    def __enter__(self):
+        self.calls, self.real = [], {n: getattr(torch.Tensor, n) for n in _READBACKS}
+        for name, fn in self.real.items():
+            setattr(torch.Tensor, name, self._counting(name, fn))
+        return self
+
+    def _counting(self, name, fn):
+        def wrapper(t, *args, **kwargs):
+            self.calls.append(name)
+            return fn(t, *args, **kwargs)
+
+        return wrapper
+
+    def __exit__(self, *exc):
+        for name, fn in self.real.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _layer_readbacks(rank, world, f, uniform):
+    cfg = MoEConfig(
+        gate=GateConfig(num_experts=E, top_k=2, capacity_factor=f),
+        experts=ExpertConfig(model_dim=M, hidden_dim=16, impl="grouped"),
+        parallel=ParallelConfig(uniform_tokens=uniform),
+    )
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    x = torch.randn(12, M, requires_grad=True)
+    layer(x)  # warm: the one-time probes and caches are not per-call syncs
+    with _Readbacks() as r:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    return r.calls
+
+
+def test_a_capacity_mode_call_with_uniform_tokens_reads_nothing_back_forward_or_backward(ranks):
+    assert ranks(2).run(_layer_readbacks, 1.25, True) == [[], []]
+
+
+def test_a_dropless_call_reads_back_only_the_split_sizes(ranks):
+    # Two reads of split sizes: the router's own counts (schemoe.routing.router, to size the
+    # sends) and the received counts after the exchange (TokenDispatcher). Nothing else, and
+    # nothing in backward.
+    assert ranks(2).run(_layer_readbacks, 0.0, False) == [["tolist", "tolist"]] * 2

@@ -48,7 +48,7 @@ from ..routing.layout import Partition
 from ..routing.router import capacity
 from ..scheduling import POLICIES
 from ..tuning.auto import TUNED, AutoTuner
-from . import output, parts
+from . import experts, output, parts
 
 __all__ = ["CHECKS", "add_arguments", "bench", "check_world", "validate"]
 
@@ -112,6 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="after timing, trace one step of each candidate: DIR/<name>.json + .png",
     )
+    experts.add_arguments(p)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -140,11 +141,13 @@ def validate(args: argparse.Namespace) -> None:
             f"(it models {', '.join(A2A_MODELS)})"
         )
     check_optional(args)
+    experts.validate(args)
 
 
 def check_world(args: argparse.Namespace, env, world: int) -> None:
     """--predict needs a profile of this run's topology and links (`schemoe profile` stores it):
-    without one every row's predicted_ms would be null."""
+    without one every row's predicted_ms would be null. The expert rows' E divide the ranks."""
+    experts.validate(args, world)
     if not args.predict:
         return
     key = env.profile_key(world)
@@ -293,6 +296,8 @@ def _bench(args: argparse.Namespace, env) -> None:
         cands[peer] = _step(_deepspeed(args, world, dtype), x, g)
         rows.append({"policy": peer, "algorithm": "deepspeed", "compressor": "none", "chunks": 1,
                      "_n": peer})  # fmt: skip
+    expert_cands, expert_rows = experts.candidates(args, env, x, g, _step, dtype)
+    cands |= expert_cands
     # The parts: one-rank groups (new_group is collective: every rank creates all of them).
     solo = [dist.new_group([q]) for q in range(world)][rank]
     single = MoELayer(_config(args, 1, 1, algo=args.algorithms[0]), group=solo).to(dtype)
@@ -335,6 +340,7 @@ def _bench(args: argparse.Namespace, env) -> None:
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
     head = output.header("schemoe bench layer", config, env.topology(world), env.link())
+    head += experts.header(args)
     trials = [row for tuner in tuners.values() for row in tuner.report]
     measured = [row for tuner in tuners.values() for row in tuner.measured]
     head += [f"# auto profile (one-time, no profile stored): {m}" for m in measured]
@@ -357,5 +363,7 @@ def _bench(args: argparse.Namespace, env) -> None:
         "auto_profile": measured,
         "profile_key": env.profile_key(world),
     }
+    if expert_rows:
+        summary["experts"] = experts.report(expert_rows, stats)
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
-    output.report(head, rows + part_rows, cols, summary)
+    output.report(head, rows + part_rows + expert_rows, cols, summary)

@@ -4,7 +4,10 @@ wrapper that runs a user's own expert modules.
 Legend: El local experts, M model dim, H hidden dim, N rows, n rows of one expert.
 
 Both take rows grouped by local expert with `counts[e]` rows for expert e and return the same
-shape. Every parameter is marked `schemoe_expert = True` (see `schemoe.layer.parallel`), because expert
+shape. BatchedFFN runs its experts as `ExpertConfig.impl` says: "grouped" (one grouped matmul
+per projection over all local experts, schemoe.experts.grouped) or "loop" (one matmul per expert
+and projection); the weights (w1_EMH, ...) are the same tensors either way, so checkpoints load
+into both. Every parameter is marked `schemoe_expert = True` (see `schemoe.layer.parallel`), because expert
 weights are sharded over the expert-parallel group and must not be all-reduced with dense weights.
 """
 
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ExpertConfig
+from .grouped import group_mm, group_offsets
 
 __all__ = ["BatchedFFN", "ModuleExperts", "mark_expert"]
 
@@ -40,8 +44,12 @@ def _init(t: torch.Tensor, fan_in: int, seeds: Sequence[int]) -> None:
 class BatchedFFN(nn.Module):
     """y = W2 act(W1 x + b1) + b2 per expert; swiglu: y = W2 (silu(W1 x) * (W3 x)).
 
+    forward(x [N, M], counts) takes rows sorted by local expert (`counts[e]` rows for expert e)
+    and returns [N, M]; `cfg.impl` picks one grouped matmul per projection ("grouped") or one
+    matmul per expert and projection ("loop"), on the same weights.
+
     Args:
-        cfg: dims and activation.
+        cfg: dims, activation and impl.
         num_local: El, experts held by this rank.
         first_expert: global index of the first local expert (for initialisation).
         seed: base seed of the per-expert initialisation.
@@ -75,9 +83,36 @@ class BatchedFFN(nn.Module):
         return F.silu(h) * torch.matmul(x, w3)
 
     def forward(self, x_NM: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """y [N, M] for rows x [N, M] sorted by local expert, `counts[e]` rows for expert e."""
         El = self.w1_EMH.shape[0]
         if len(counts) != El:
             raise ValueError(f"counts has {len(counts)} entries for {El} local experts")
+        if self.cfg.impl == "grouped":
+            return self._grouped(x_NM, counts)
+        return self._loop(x_NM, counts)
+
+    def _grouped(self, x_NM: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """One grouped matmul per projection over all local experts (no pad rows)."""
+        offs = group_offsets(counts, x_NM.device)  # host ints -> device: no sync
+        h = group_mm(x_NM, self.w1_EMH, counts, offs)
+        if self.cfg.bias:
+            # Row n's expert, to pick its biases; from host ints with output_size: no sync.
+            sizes = torch.tensor(list(counts), device=x_NM.device)
+            experts = torch.arange(len(counts), device=x_NM.device)
+            expert_N = torch.repeat_interleave(experts, sizes, output_size=x_NM.shape[0])
+            h = h + self.b1_EH[expert_N]
+        if self.w3_EMH is not None:
+            a = F.silu(h) * group_mm(x_NM, self.w3_EMH, counts, offs)
+        else:
+            a = self._act(h, x_NM, None)
+        y = group_mm(a, self.w2_EHM, counts, offs)
+        if self.cfg.bias:
+            y = y + self.b2_EM[expert_N]
+        return y
+
+    def _loop(self, x_NM: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """One matmul per expert and projection (bmm when counts are equal on a GPU)."""
+        El = self.w1_EMH.shape[0]
         if len(set(counts)) == 1 and x_NM.is_cuda:
             # Equal counts (capacity mode) on a GPU: one bmm over all local experts, one launch.
             # On the CPU the per-expert GEMMs below are as fast or faster (forward + backward,

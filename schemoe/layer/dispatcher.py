@@ -19,6 +19,14 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
     started before encode so it overlaps it, and one host sync (`.tolist()`) to read it: the
     chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
     communicator (tag "counts"), not on the default group.
+
+Host syncs of one layer call (forward and backward; tests/test_dispatcher.py counts them):
+  * capacity mode, uniform tokens: none (C follows from T, a shape);
+  * dropless (or capacity with tokens that may differ between ranks): the received counts,
+    here, once per call when P > 1; and, in dropless mode, the router's own counts
+    (schemoe.routing.router reads its per-expert counts to size the sends). The experts add
+    none: grouped experts build their group offsets from the plan's host counts (a
+    host-to-device copy), and backward reuses the forward's plan.
 """
 
 from __future__ import annotations
