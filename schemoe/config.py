@@ -131,7 +131,7 @@ class GateConfig:
         _need(
             self.top_k <= reach,
             f"top_k={self.top_k} must be <= top_groups * num_experts / groups = {reach} (the "
-            "experts of the groups a token keeps)",
+            "experts a token can reach)",
         )
         _num("scale", self.scale, 0.0)
         _need(

@@ -76,6 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=D["bias_update_rate"],
         help="> 0: aux-loss-free expert bias",
     )
+    m("--score", choices=("softmax", "sigmoid"), default=D["score"],
+      help="router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)")  # fmt: skip
+    m("--expert-groups", type=int, default=D["expert_groups"],
+      help="G groups of E / G experts for group-limited routing (1: none)")  # fmt: skip
+    m("--top-groups", type=int, default=D["top_groups"],
+      help="groups each token keeps before its top-k (default: all)")  # fmt: skip
+    m("--routed-scale", type=float, default=D["routed_scale"],
+      help="factor on the combine weights (DeepSeek-V3 routed_scaling_factor)")  # fmt: skip
     m(
         "--activation",
         choices=("relu", "gelu", "swiglu"),
