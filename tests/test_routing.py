@@ -163,6 +163,12 @@ def test_a_bf16_layer_routes_in_fp32_and_counts_its_load_exactly():
     assert y.dtype == torch.bfloat16
     # 600 choices: past bf16's 256 exact integers, the load buffer stays an exact count
     assert layer.expert_load.dtype == torch.long and int(layer.expert_load.sum()) == 600
+    # the bias stays fp32: a step of 0.01 on 0.5 survives (bf16 would round it away)
+    layer.expert_bias.fill_(0.5)
+    layer.update_expert_bias()
+    assert layer.expert_bias.dtype == torch.float32
+    assert sorted({round(b, 6) for b in layer.expert_bias.tolist()}) <= [0.49, 0.5, 0.51]
+    assert layer.expert_bias.tolist() != [0.5] * E
 
 
 # ---------------------------------------------------------------- the aux-loss-free bias

@@ -304,10 +304,8 @@ class MoELayer(nn.Module):
 
     # ---------------------------------------------------------------- routing statistics
     def take_load_metrics(self) -> LoadMetrics | None:
-        """This rank's expert load since the last take (training calls while `record_routing`
-        is True), then reset; None if no calls. The counts are tallied on the device as the
-        layer routes (routing.load.tally, no sync per call); reading them here is one host
-        sync. No collective."""
+        """This rank's load since the last take (training calls while `record_routing`), then
+        reset; None if none. Tallied on the device per call (no sync); one host sync here."""
         counts, self._routing_counts = self._routing_counts, None
         return None if counts is None else LoadMetrics.from_counts(counts.tolist())  # host sync
 
@@ -345,6 +343,13 @@ class MoELayer(nn.Module):
             update_balance_bias(self.expert_bias, load, self.config.gate.bias_update_rate)
         )
         self.expert_load.zero_()
+
+    def _apply(self, fn, recurse=True):
+        bias = self.expert_bias  # stays fp32 under .to(bf16), as transformers keeps DeepSeek-V3's:
+        super()._apply(fn, recurse)  # bf16 would round its small steps away
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(self.expert_bias.device, torch.float32)
+        return self
 
     def expert_shard(self) -> list[int]:
         """[first global expert held here, how many, E]: what a state_dict records."""
