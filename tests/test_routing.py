@@ -16,6 +16,7 @@ from moe_cases import check_against_reference
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, init_expert_parallel
 from schemoe.routing.router import route, select
 from schemoe.train.step import train_step
+from train_cases import tiny
 
 E = 8
 # One token's scores over 8 experts in 4 groups of 2. Expert 0 has the best score but a weak
@@ -258,3 +259,15 @@ def _parity(rank, world, name, f):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_every_routing_mode_matches_the_reference_forward_and_backward(ranks, world, name, f):
     assert all(ranks(world).run(_parity, name, f))
+
+
+# ---------------------------------------------------------------- schemoe train's flags
+def test_schemoe_train_flags_reach_the_gate_config_and_errors_name_them():
+    flags = ("--experts", "8", "--top-k", "3", "--score", "sigmoid", "--expert-groups", "4",
+             "--top-groups", "2", "--routed-scale", "2.5")  # fmt: skip
+    g = tiny(*flags).moe_config(1).gate
+    assert (g.score, g.groups, g.top_groups, g.scale, g.top_k) == ("sigmoid", 4, 2, 2.5, 3)
+    with pytest.raises(ValueError, match="--top-groups 5 must be <= --expert-groups 4"):
+        tiny(*flags[:-4], "--top-groups", "5")
+    with pytest.raises(ValueError, match="--top-k 3 must be <= --top-groups"):
+        tiny(*flags[:-4], "--top-groups", "1")
