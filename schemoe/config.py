@@ -33,6 +33,7 @@ __all__ = [
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 EXPERT_IMPLS = ("grouped", "loop")
 PRIORITIES = ("position", "score")
+SCORES = ("softmax", "sigmoid")
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -70,6 +71,17 @@ class GateConfig:
         bias_update_rate: > 0 enables the aux-loss-free expert bias (DeepSeek-V3): a per-expert
             bias added to the scores for expert selection only, nudged by this rate towards
             balance each time `MoELayer.update_expert_bias()` is called.
+        score: how logits become scores: "softmax" over the E experts (Mixtral, Qwen2/3-MoE) or
+            an independent "sigmoid" per expert (DeepSeek-V3). The top-k weights are the chosen
+            experts' scores, rescaled to sum to 1 when `renormalize` (Mixtral always, Qwen
+            `norm_topk_prob`, DeepSeek-V3 `norm_topk_prob`), then multiplied by `scale`.
+        groups: G, the experts split into G groups of E / G consecutive experts (DeepSeek-V3
+            `n_group`); 1: no groups.
+        top_groups: group-limited routing (DeepSeek-V3 `topk_group`): each token scores every
+            group by the sum of its two highest (bias-corrected) expert scores, keeps the
+            `top_groups` best groups and takes its top-k among their experts. None: all groups
+            (plain top-k).
+        scale: multiplies every combine weight (DeepSeek-V3 `routed_scaling_factor`), > 0.
     """
 
     num_experts: int
@@ -81,6 +93,10 @@ class GateConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     bias_update_rate: float = 0.0
+    score: str = "softmax"
+    groups: int = 1
+    top_groups: int | None = None
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         _int("num_experts", self.num_experts, 1)
@@ -102,10 +118,36 @@ class GateConfig:
         _num("aux_loss_weight", self.aux_loss_weight, 0.0)
         _num("z_loss_weight", self.z_loss_weight, 0.0)
         _num("bias_update_rate", self.bias_update_rate, 0.0)
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        _need(self.score in SCORES, f"score must be one of {SCORES}, got {self.score!r}")
+        _int("groups", self.groups, 1)
+        E, G = self.num_experts, self.groups
+        _need(E % G == 0, f"num_experts={E} must be divisible by groups={G}")
+        if self.top_groups is not None:
+            _int("top_groups", self.top_groups, 1)
+            _need(self.top_groups <= G, f"top_groups={self.top_groups} must be <= groups={G}")
+        reach = self.kept_groups * (E // G)
+        _need(
+            self.top_k <= reach,
+            f"top_k={self.top_k} must be <= top_groups * num_experts / groups = {reach} (the "
+            "experts a token can reach)",
+        )
+        _num("scale", self.scale, 0.0)
+        _need(
+            math.isfinite(self.scale) and self.scale > 0,
+            f"scale must be > 0 and finite, got {self.scale}",
+        )
 
     @property
     def dropless(self) -> bool:
         return self.capacity_factor == 0
+
+    @property
+    def kept_groups(self) -> int:
+        """The groups each token keeps: top_groups, or all G."""
+        return self.groups if self.top_groups is None else self.top_groups
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -106,10 +106,10 @@ def run_layer(layer: MoELayer, x: torch.Tensor, gy: torch.Tensor):
     return y.detach(), aux.detach(), x.grad.clone(), grads
 
 
-def run_reference(weights, cfg: MoEConfig, xs, gys):
+def run_reference(weights, cfg: MoEConfig, xs, gys, bias=None):
     w = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     xs = [x.clone().requires_grad_(True) for x in xs]
-    ys, auxes = reference_moe(xs, w, cfg)
+    ys, auxes = reference_moe(xs, w, cfg, bias)
     loss = sum((y * gy).sum() + a for y, gy, a in zip(ys, gys, auxes))
     if loss.requires_grad:  # False only when no rank has a token
         loss.backward()
@@ -133,9 +133,11 @@ def check_against_reference(
     dead_experts=(),
     atol=ATOL,
     rtol=RTOL,
+    bias=None,
     **layer_kw,
 ) -> dict:
-    """Build the layer on this rank, compare output, aux, and all grads with the reference."""
+    """Build the layer on this rank, compare output, aux, and all grads with the reference
+    (`bias`: the aux-loss-free selection bias [E] set on both)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(seed)
     layer = MoELayer(cfg, **layer_kw)
@@ -143,9 +145,11 @@ def check_against_reference(
         AutoTuner(layer, hardware=preset("local"))
     weights = global_weights(layer, seed, dead_experts)
     layer.load_global_state(weights)
+    if bias is not None:
+        layer.expert_bias.copy_(bias)
     xs, gys = inputs(len(tokens), tokens, cfg.experts.model_dim, seed, positive)
     y, aux, gx, grads = run_layer(layer, xs[rank], gys[rank])
-    ry, raux, rgx, rgrads = run_reference(weights, cfg, xs, gys)
+    ry, raux, rgx, rgrads = run_reference(weights, cfg, xs, gys, bias)
     tag = f"[{cfg.gate.top_k=} {cfg.gate.capacity_factor=} {tokens=} rank {rank}]"
     close(y, ry[rank].detach(), f"output {tag}", atol, rtol)
     close(aux, raux[rank].detach(), f"aux {tag}", atol, rtol)

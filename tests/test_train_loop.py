@@ -33,9 +33,11 @@ def test_grad_accum_2_with_batch_b_trains_as_batch_2b():
     assert accum["grad_accum"] == 2
 
 
-def test_log_file_has_one_line_per_step_with_loss_parts_and_per_layer_routing(tmp_path):
+def test_log_file_has_one_line_per_step_with_loss_parts_and_per_layer_routing(tmp_path, capsys):
     log = tmp_path / "m.jsonl"
-    out = T.train(0, 1, tiny("--steps", "2", "--eval-seqs", "0", "--log-file", str(log)))
+    out = T.train(0, 1, tiny("--steps", "2", "--eval-seqs", "0", "--log-file", str(log),
+                             "--log-every", "1", "--capacity-factor", "0.5"))  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["loss"] for r in rows] == out["losses"]
@@ -45,6 +47,11 @@ def test_log_file_has_one_line_per_step_with_loss_parts_and_per_layer_routing(tm
         assert len(r["moe"]) == 1  # 2 layers, an MoE FFN in every 2nd block
         load, dropped = r["moe"][0]["load"], r["moe"][0]["dropped"]
         assert len(load) == 4 and math.isclose(sum(load), 1.0) and 0.0 <= dropped < 1.0
+        # the load in tokens (batch x seq_len x k choices), the overload, and the step line
+        tokens, overload = r["moe"][0]["tokens"], r["moe"][0]["overload"]
+        assert sum(tokens) == 4 * 32 * 2 and overload == pytest.approx(max(tokens) * 4 / 256)
+        line = next(ln for ln in lines if ln.startswith(f"step {r['step']:4d}  loss"))
+        assert line.endswith(f"  overload {overload:.2f} drop {dropped:.1%}") and dropped > 0
 
 
 def test_routing_stats_count_the_choices_dropped_past_capacity():

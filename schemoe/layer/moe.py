@@ -27,7 +27,8 @@ from .. import collectives, compression
 from ..config import MoEConfig
 from ..dist.topology import Topology
 from ..experts.ffn import BatchedFFN, ModuleExperts
-from ..routing import load_balancing_loss, route, router_z_loss, update_balance_bias
+from ..routing import LoadMetrics, load_balancing_loss, route, router_z_loss, tally
+from ..routing.losses import update_balance_bias
 from ..scheduling import POLICIES, Direction, Schedule, TaskGraph, make_schedule
 from ..scheduling.background import Background
 from .dispatcher import TokenDispatcher
@@ -129,7 +130,7 @@ class MoELayer(nn.Module):
             self.experts = ModuleExperts(expert_factory, self.num_local, first)
         if config.gate.bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E))
-            self.register_buffer("expert_load", torch.zeros(E))
+            self.register_buffer("expert_load", torch.zeros(E, dtype=torch.long))  # exact counts
         else:
             self.expert_bias = None
             self.expert_load = None
@@ -265,9 +266,9 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.expert_load += torch.bincount(
                     routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
-                ).float()
+                )
         if self.record_routing and self.training:
-            self._tally(routing, cfg.gate.num_experts)
+            self._routing_counts = tally(self._routing_counts, routing)
         # 2. Tokens into the expert-major buffer; splits and the chunk plan.
         rows_NM, meta = self.dispatcher.dispatch(x_TM, routing, dropless=cfg.gate.dropless)
         return rows_NM, meta, aux
@@ -302,27 +303,16 @@ class MoELayer(nn.Module):
         return y_TM.view(x.shape), aux
 
     # ---------------------------------------------------------------- routing statistics
-    @torch.no_grad()
-    def _tally(self, routing, E: int) -> None:
-        chosen_E = torch.bincount(routing.expert_TK.reshape(-1), minlength=E)
-        kept = (routing.slot_TK >= 0).sum().reshape(1)
-        counts = torch.cat([chosen_E, kept]).double()
-        prev = self._routing_counts
-        self._routing_counts = counts if prev is None else prev + counts
+    def take_load_metrics(self) -> LoadMetrics | None:
+        """This rank's load since the last take (training calls while `record_routing`), then
+        reset; None if none. Tallied on the device per call (no sync); one host sync here."""
+        counts, self._routing_counts = self._routing_counts, None
+        return None if counts is None else LoadMetrics.from_counts(counts.tolist())  # host sync
 
     def take_routing_stats(self) -> dict[str, Any] | None:
-        """This rank's routing since the last call (training calls while `record_routing` is
-        True), then reset: {"load": [E] fraction of the top-k choices per expert, "dropped":
-        fraction of choices past capacity}. No collective; a host sync. None if no calls."""
-        counts, self._routing_counts = self._routing_counts, None
-        if counts is None:
-            return None
-        chosen = counts[:-1].tolist()
-        total = sum(chosen)
-        return {
-            "load": [c / total if total else 0.0 for c in chosen],
-            "dropped": 1.0 - float(counts[-1]) / total if total else 0.0,
-        }
+        """take_load_metrics() as a dict ({"tokens", "load", "dropped", "overload"}) or None."""
+        m = self.take_load_metrics()
+        return None if m is None else m.as_dict()
 
     # ---------------------------------------------------------------- state
     def _check_expert_slice(self, state_dict, prefix, local_metadata, *_) -> None:
@@ -338,18 +328,28 @@ class MoELayer(nn.Module):
             )
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
+    def update_expert_bias(self, dp_group=None) -> None:
         """Aux-loss-free balancing step: nudge the selection bias using the load seen since the
-        last call, summed over the expert-parallel group (collective)."""
+        last call, summed over the expert-parallel group and `dp_group` (the expert-data-parallel
+        group, so that every replica takes the same bias from the global load). Collective."""
         if self.expert_bias is None:
             raise ValueError("update_expert_bias needs GateConfig(bias_update_rate > 0)")
         load = self.expert_load.clone()
         if self.topology.world > 1:
             dist.all_reduce(load, group=self.topology.group)
+        if dp_group is not None:
+            dist.all_reduce(load, group=dp_group)
         self.expert_bias.copy_(
             update_balance_bias(self.expert_bias, load, self.config.gate.bias_update_rate)
         )
         self.expert_load.zero_()
+
+    def _apply(self, fn, recurse=True):
+        bias = self.expert_bias  # stays fp32 under .to(bf16), as transformers keeps DeepSeek-V3's:
+        super()._apply(fn, recurse)  # bf16 would round its small steps away
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(self.expert_bias.device, torch.float32)
+        return self
 
     def expert_shard(self) -> list[int]:
         """[first global expert held here, how many, E]: what a state_dict records."""

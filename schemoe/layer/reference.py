@@ -2,7 +2,9 @@
 
 It is the ground truth of the tests: loops over ranks, choices and tokens, one expert at a time,
 no buffers, no all-to-all, no chunks. `xs[r]` holds the tokens of rank r; routing and capacity
-are per rank, as in MoELayer (each rank routes its own tokens).
+are per rank, as in MoELayer (each rank routes its own tokens). Routing is chosen token by token
+with Python sorts (every GateConfig mode: softmax / sigmoid scores, groups, top groups, scale,
+the selection bias `bias` [E]), not with the router's tensor code.
 
 `weights` is the unsharded state of MoELayer.global_state(): gate_weight [E, M],
 experts.w1_EMH [E, M, H], experts.w2_EHM [E, H, M] (+ experts.w3_EMH for swiglu,
@@ -37,6 +39,18 @@ def _expert(x: torch.Tensor, w: dict[str, torch.Tensor], e: int, act: str) -> to
     return y
 
 
+def _choose(s: list[float], bias: torch.Tensor | None, g) -> list[int]:
+    """One token's k experts, best first: the top-k of s + bias among the experts of its
+    top_groups best groups, a group scored by the sum of its two best s + bias."""
+    sel = [v + (float(bias[e]) if bias is not None else 0.0) for e, v in enumerate(s)]
+    n = g.num_experts // g.groups
+    best = lambda group: sum(sorted((sel[e] for e in group), reverse=True)[:2])
+    groups = [range(q * n, (q + 1) * n) for q in range(g.groups)]
+    kept = sorted(groups, key=best, reverse=True)[: g.kept_groups]
+    allowed = [e for group in kept for e in group]
+    return sorted(allowed, key=lambda e: -sel[e])[: g.top_k]
+
+
 def reference_moe(
     xs: list[torch.Tensor],
     weights: dict[str, torch.Tensor],
@@ -50,14 +64,19 @@ def reference_moe(
     for x in xs:
         T = x.shape[0]
         logits = x.float() @ weights["gate_weight"].float().t()
-        probs = torch.softmax(logits, dim=-1)
-        select = probs.detach() if bias is None else probs.detach() + bias
-        choice = torch.topk(select, k, dim=-1).indices
-        w = probs.gather(1, choice)
+        if g.score == "sigmoid":
+            score = torch.sigmoid(logits)
+            probs = score / score.sum(-1, keepdim=True)  # what the aux loss balances
+        else:
+            score = probs = torch.softmax(logits, dim=-1)
+        choice = torch.tensor([_choose(score[t].tolist(), bias, g) for t in range(T)])
+        choice = choice.view(T, k).long()
+        w = score.gather(1, choice)
         if g.renormalize:
-            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * g.scale
         if g.priority == "score":
-            order = sorted(range(T), key=lambda t: -float(probs[t].max()))
+            order = sorted(range(T), key=lambda t: -float(score[t].max()))
         else:
             order = list(range(T))
         cap = math.inf if g.dropless else math.ceil(g.capacity_factor * k * T / E)

@@ -1,13 +1,29 @@
 """Top-k routing with capacity: which expert buffer row each (token, choice) goes to.
 
-Legend: T tokens on this rank, M model dim, E experts, k choices per token, C capacity.
+Legend: T tokens on this rank, M model dim, E experts, k choices per token, C capacity,
+G expert groups, n = E / G experts per group.
+
+Scores, selection and weights (all fp32, whatever the activations' dtype or autocast):
+
+    logits = x W^T;  s = softmax(logits) or sigmoid(logits)           (GateConfig.score)
+    selection score  = s + b  (b: the aux-loss-free bias, selection only; 0 without it)
+    group-limited:   group score = sum of its 2 highest selection scores (1 if n = 1); the
+                     top_groups best groups stay, the others' experts are masked out
+    experts          = top-k of the selection scores, best first
+    weights          = s of the chosen experts (never the bias), / (their sum + 1e-20) when
+                       renormalize, then * scale
+
+As Hugging Face transformers computes it (5.x): Mixtral (softmax, always renormalised), Qwen2/3-MoE
+(softmax, norm_topk_prob), DeepSeek-V3 (sigmoid, e_score_correction_bias, n_group / topk_group,
+norm_topk_prob, routed_scaling_factor). The one difference: they take the logits in the model's
+dtype where the router weight is not fp32 (Qwen), this router always in fp32.
 
 The dispatch buffer is expert-major: expert e owns rows [offset_e, offset_e + counts_e). With a
 capacity factor f > 0 every expert owns C = ceil(f * k * T / E) rows (unused rows stay zero) and a
 (token, choice) past C is dropped; with f = 0 (dropless) counts_e is exactly the number of choices
 that picked e. Priority when an expert overflows: all first choices before any second choice
 (GShard), and within a choice level by token position or, with priority="score", by the token's
-top-1 probability, highest first (batch-prioritised routing, Riquelme et al. 2021).
+top-1 score, highest first (batch-prioritised routing, Riquelme et al. 2021).
 """
 
 from __future__ import annotations
@@ -19,14 +35,14 @@ import torch
 
 from ..config import GateConfig
 
-__all__ = ["Routing", "capacity", "route"]
+__all__ = ["Routing", "capacity", "route", "scores", "select"]
 
 
 @dataclass(frozen=True)
 class Routing:
     """The routing plan of one layer call on one rank (index tensors only, no activations)."""
 
-    probs_TE: torch.Tensor  # fp32 softmax of the logits
+    probs_TE: torch.Tensor  # fp32 distribution over experts: softmax, or sigmoid / its row sum
     logits_TE: torch.Tensor  # fp32
     expert_TK: torch.Tensor  # long, chosen expert per choice
     weight_TK: torch.Tensor  # fp32 combine weight (0 where dropped), differentiable
@@ -44,6 +60,28 @@ def capacity(cfg: GateConfig, tokens: int) -> int:
     return min(math.ceil(cfg.capacity_factor * cfg.top_k * tokens / cfg.num_experts), tokens)
 
 
+def scores(logits_TE: torch.Tensor, cfg: GateConfig) -> torch.Tensor:
+    """s [T, E]: softmax over the experts or an independent sigmoid per expert (fp32 in, out)."""
+    if cfg.score == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    return torch.softmax(logits_TE, dim=-1)
+
+
+def select(select_TE: torch.Tensor, cfg: GateConfig) -> torch.Tensor:
+    """expert_TK: the top-k of the selection scores [T, E] (no gradient), best first, among the
+    experts of each token's `top_groups` best groups (group score: the sum of its two highest
+    selection scores)."""
+    T, E, G = select_TE.shape[0], cfg.num_experts, cfg.groups
+    if cfg.kept_groups < G:
+        n = E // G
+        group_TG = select_TE.view(T, G, n).topk(min(2, n), dim=-1).values.sum(-1)
+        top_TG = group_TG.topk(cfg.kept_groups, dim=-1).indices
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, top_TG, True)
+        keep_TE = keep_TG[:, :, None].expand(T, G, n).reshape(T, E)
+        select_TE = select_TE.masked_fill(~keep_TE, float("-inf"))
+    return torch.topk(select_TE, cfg.top_k, dim=-1).indices
+
+
 def route(
     x_TM: torch.Tensor,
     weight_EM: torch.Tensor,
@@ -52,25 +90,29 @@ def route(
     training: bool = False,
     bias_E: torch.Tensor | None = None,
 ) -> Routing:
-    """Route T tokens. The router always computes in fp32, whatever the activation dtype."""
+    """Route T tokens (see the module docstring). The router always computes in fp32, whatever
+    the activation, weight or bias dtype and autocast."""
     T, E, k = x_TM.shape[0], cfg.num_experts, cfg.top_k
     # 1. Scores in fp32 (autocast must not lower the router's precision).
     with torch.autocast(device_type=x_TM.device.type, enabled=False):
         logits_TE = x_TM.float() @ weight_EM.float().t()
-    if training and cfg.noise_std > 0:
-        logits_TE = logits_TE + torch.randn_like(logits_TE) * cfg.noise_std
-    probs_TE = torch.softmax(logits_TE, dim=-1)
+        if training and cfg.noise_std > 0:
+            logits_TE = logits_TE + torch.randn_like(logits_TE) * cfg.noise_std
+        s_TE = scores(logits_TE, cfg)
 
-    # 2. Top-k selection; the balancing bias changes the choice, never the weight.
-    select_TE = probs_TE.detach() if bias_E is None else probs_TE.detach() + bias_E
-    expert_TK = torch.topk(select_TE, k, dim=-1).indices
-    weight_TK = probs_TE.gather(1, expert_TK)
-    if cfg.renormalize:
-        weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+        # 2. Top-k selection; the balancing bias changes the choice, never the weight.
+        select_TE = s_TE.detach() if bias_E is None else s_TE.detach() + bias_E.float()
+        expert_TK = select(select_TE, cfg)
+        weight_TK = s_TE.gather(1, expert_TK)
+        if cfg.renormalize:
+            weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20)
+        if cfg.scale != 1.0:
+            weight_TK = weight_TK * cfg.scale
+        probs_TE = s_TE if cfg.score == "softmax" else s_TE / s_TE.sum(-1, keepdim=True)
 
     # 3. Position of each choice inside its expert, in priority order (choice-major).
     if cfg.priority == "score" and T > 0:
-        order_T = torch.argsort(probs_TE.detach().max(-1).values, descending=True, stable=True)
+        order_T = torch.argsort(s_TE.detach().max(-1).values, descending=True, stable=True)
     else:
         order_T = torch.arange(T, device=x_TM.device)
     expert_KT = expert_TK[order_T].t()  # [k, T] in priority order

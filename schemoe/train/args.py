@@ -73,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--aux-loss-weight", type=float, help="load-balancing loss weight")
     m("--z-loss-weight", type=float, help="router z-loss weight")
     m("--bias-update-rate", type=float, help="> 0: aux-loss-free expert bias")
+    m("--score", choices=("softmax", "sigmoid"),
+      help="router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)")  # fmt: skip
+    m("--expert-groups", type=int,
+      help="G groups of E / G experts for group-limited routing (1: none)")  # fmt: skip
+    m("--top-groups", type=int, help="groups each token keeps before its top-k (default: all)")
+    m("--routed-scale", type=float,
+      help="factor on the combine weights (DeepSeek-V3 routed_scaling_factor)")  # fmt: skip
     m("--activation", choices=("relu", "gelu", "swiglu"), help="expert FFN activation")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
     m("--ranks-per-node", type=int,

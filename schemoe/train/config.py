@@ -52,7 +52,8 @@ MOE_FLAGS: dict[str, tuple[type, dict[str, str]]] = {
         "num_experts": "experts", "top_k": "top_k", "capacity_factor": "capacity_factor",
         "renormalize": "renormalize", "noise_std": "noise_std", "priority": "priority",
         "aux_loss_weight": "aux_loss_weight", "z_loss_weight": "z_loss_weight",
-        "bias_update_rate": "bias_update_rate"}),
+        "bias_update_rate": "bias_update_rate", "score": "score", "groups": "expert_groups",
+        "top_groups": "top_groups", "scale": "routed_scale"}),
     "experts": (layer_config.ExpertConfig, {
         "model_dim": "model_dim", "hidden_dim": "hidden_dim", "activation": "activation",
         "bias": "expert_bias"}),
@@ -147,6 +148,10 @@ class TrainConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     bias_update_rate: float = 0.0
+    score: str = "softmax"
+    expert_groups: int = 1
+    top_groups: int | None = None
+    routed_scale: float = 1.0
     activation: str = "gelu"
     expert_bias: bool = False
     ranks_per_node: int | None = None
@@ -215,7 +220,7 @@ class TrainConfig:
                 registry.get(getattr(self, n))  # ValueError listing the known names
         # Before the rank count is known the default E is unknown: one that fits top_k stands in.
         known = self.experts is not None or self.ep_size is not None
-        self._moe(self.num_experts(None) if known else max(2, self.top_k))
+        self._moe(self.num_experts(None) if known else self.expert_groups * max(2, self.top_k))
         if self.ep_size is not None and self.experts is not None and self.experts % self.ep_size:
             raise ValueError(
                 f"--experts {self.experts} must be divisible by --ep-size {self.ep_size}"

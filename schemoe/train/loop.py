@@ -26,8 +26,9 @@ the loop, evals and saves, and the summary, one function each.
 micro-batch's loss scaled by 1/N; DDP all-reduces on the last, `no_sync` on the others), so it
 trains as --batch N*b would, up to capacity (C is per call) and the aux loss (per call).
 `--log-file F` writes one JSON object per step (rank 0): loss, lr, grad norm, tokens/s, the step's
-parts in ms and per MoE layer rank 0's expert load and dropped fraction (no extra collective);
-`--tensorboard DIR` writes the same scalars.
+parts in ms and per MoE layer rank 0's tokens per expert, load fractions, dropped fraction and
+overload factor (max / mean load; no extra collective); `--tensorboard DIR` writes the same
+scalars. Step lines end with a load summary over the MoE layers ("overload 1.42 drop 0.8%").
 """
 
 from __future__ import annotations
@@ -160,15 +161,21 @@ def _loop(run: Run, checker: failures.FiniteChecker | None) -> None:
 def _log(run: Run, step: int, rec: StepRecord) -> None:
     """Rank 0: the metrics row, the step line (first, every --log-every, last), the bar."""
     cfg, tps = run.cfg, run.tokens / run.times[-1]
+    line = run.rank == 0 and (
+        step == run.start + 1 or step % cfg.log_every == 0 or step == run.last
+    )
+    load = ""
     if run.metrics:
         ms = {k: round(1e3 * run.parts[k][-1], 3) for k in PARTS}
-        run.metrics.write(step, rec.loss, lr_at(step, cfg), float(rec.grad_norm), tps, ms)
-    if run.rank == 0 and (step == run.start + 1 or step % cfg.log_every == 0 or step == run.last):
+        load = run.metrics.write(
+            step, rec.loss, lr_at(step, cfg), float(rec.grad_norm), tps, ms, line=line
+        )
+    if line:
         run.bar.print(
             f"step {step:4d}  loss {rec.loss:.4f}  lr {lr_at(step, cfg):.2e}  "
             f"grad norm {rec.grad_norm:.3f}  tokens/s {tps:,.0f}  "
             f"(fwd {1e3 * rec.forward_s:.0f} ms, bwd {1e3 * rec.backward_s:.0f} ms, "
-            f"opt {1e3 * rec.optimizer_s:.0f} ms)"
+            f"opt {1e3 * rec.optimizer_s:.0f} ms)" + (f"  {load}" if load else "")
         )
     run.bar.update(step, run.start + 1, rec.loss)
 

@@ -8,6 +8,7 @@ import math
 import sys
 import time
 
+from ..layer.metrics import load_summary
 from ..layer.moe import MoELayer
 from .config import TrainConfig
 
@@ -44,13 +45,17 @@ class Progress:
 
 
 class Metrics:
-    """Rank 0's per-step metrics: a JSONL file (--log-file) and TensorBoard scalars
-    (--tensorboard). Routing statistics are rank 0's own tokens (no collective)."""
+    """Rank 0's per-step metrics: a JSONL file (--log-file), TensorBoard scalars
+    (--tensorboard) and the step line's load summary. Per MoE layer: tokens per expert, load
+    fractions, dropped fraction and overload factor (schemoe.layer.metrics) of rank 0's own
+    tokens (no collective), read every step with a file or TensorBoard (one host sync per layer,
+    after the step's own), else only for the step lines (then over the steps since the last)."""
 
     def __init__(self, a: TrainConfig, moe: list[MoELayer]) -> None:
-        self.moe = moe if (a.log_file or a.tensorboard) else []
+        self.moe = moe
         for m in self.moe:
             m.record_routing = True
+        self.every_step = bool(a.log_file or a.tensorboard)
         self.file = open(a.log_file, "w", encoding="utf-8") if a.log_file else None  # noqa: SIM115
         self.tb = None
         if a.tensorboard:
@@ -58,9 +63,15 @@ class Metrics:
 
             self.tb = SummaryWriter(a.tensorboard)
 
-    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict):
+    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict,
+              *, line: bool = False) -> str:  # fmt: skip
+        """Record step `step`; returns the load summary for its step line when `line` ("" if
+        none), e.g. "overload 1.42 drop 0.8%"."""
+        if not (self.every_step or line):
+            return ""
+        per_layer = [m.take_load_metrics() for m in self.moe]
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-               "step_ms": parts, "moe": [m.take_routing_stats() for m in self.moe]}  # fmt: skip
+               "step_ms": parts, "moe": [p.as_dict() if p else None for p in per_layer]}  # fmt: skip
         if self.file:
             self.file.write(json.dumps(finite_or_none(row)) + "\n")
             self.file.flush()
@@ -69,10 +80,12 @@ class Metrics:
                 self.tb.add_scalar(f"train/{k}", row[k], step)
             for k, v in parts.items():
                 self.tb.add_scalar(f"step_ms/{k}", v, step)
-            for i, r in enumerate(row["moe"]):
+            for i, r in enumerate(per_layer):
                 if r:
-                    self.tb.add_scalar(f"moe{i}/dropped", r["dropped"], step)
-                    self.tb.add_scalar(f"moe{i}/max_load", max(r["load"]), step)
+                    self.tb.add_scalar(f"moe{i}/dropped", r.dropped, step)
+                    self.tb.add_scalar(f"moe{i}/max_load", max(r.load), step)
+                    self.tb.add_scalar(f"moe{i}/overload", r.overload, step)
+        return load_summary(per_layer) if line else ""
 
     def close(self) -> None:
         if self.file:

@@ -125,7 +125,9 @@ def train_step(
         checker.check_grads()
     gnorm = clip_grad_norm_(core, clip, ep)
     opt.step()
+    # The bias moves once per optimizer step, from the load of all its micro-batches and ranks.
+    dp_group = ep.dp_group if ep is not None and ep.dp_size > 1 else None
     for m in core.modules():
         if isinstance(m, MoELayer) and m.expert_bias is not None:
-            m.update_expert_bias()
+            m.update_expert_bias(dp_group)
     return StepRecord(mean, gnorm, fwd, bwd, time.perf_counter() - t0)
