@@ -11,6 +11,7 @@ from typing import Any
 from .. import compression
 from ..cliargs import Parser
 from ..collectives import ALGORITHMS
+from ..config import EXPERT_IMPLS
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, GRAD_SYNCS, SYNCS
 from .config import DEVICES, DTYPES, TrainConfig
@@ -82,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="factor on the combine weights (DeepSeek-V3 routed_scaling_factor)")  # fmt: skip
     m("--activation", choices=("relu", "gelu", "swiglu"), help="expert FFN activation")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
+    m("--experts-impl", choices=EXPERT_IMPLS, help="grouped: one grouped GEMM per projection; loop")
     m("--ranks-per-node", type=int,
       help="ranks per node for hierarchical algorithms (default: the launcher's, else all)")  # fmt: skip
     # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares), so

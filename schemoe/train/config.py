@@ -56,7 +56,7 @@ MOE_FLAGS: dict[str, tuple[type, dict[str, str]]] = {
         "top_groups": "top_groups", "scale": "routed_scale"}),
     "experts": (layer_config.ExpertConfig, {
         "model_dim": "model_dim", "hidden_dim": "hidden_dim", "activation": "activation",
-        "bias": "expert_bias"}),
+        "bias": "expert_bias", "impl": "experts_impl"}),
     "parallel": (layer_config.ParallelConfig, {
         "ranks_per_node": "ranks_per_node", "uniform_tokens": "uniform_tokens"}),
     "schedule": (layer_config.ScheduleConfig, {
@@ -154,6 +154,7 @@ class TrainConfig:
     routed_scale: float = 1.0
     activation: str = "gelu"
     expert_bias: bool = False
+    experts_impl: str = "grouped"
     ranks_per_node: int | None = None
     uniform_tokens: bool = True
     policy: str = "schemoe"
