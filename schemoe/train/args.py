@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="expert FFN activation",
     )
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
+    m("--shared-experts", type=int, default=D["shared_experts"],
+      help="always-on experts of hidden dim H per MoE layer, a task scheduled under the "
+      "dispatch all-to-alls (0: none)")  # fmt: skip
     m("--ranks-per-node", type=int, default=D["ranks_per_node"],
       help="ranks per node for hierarchical algorithms (default: the launcher's, else all)")  # fmt: skip
     # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares), so

@@ -40,6 +40,7 @@ from ..config import (
     MoEConfig,
     ParallelConfig,
     ScheduleConfig,
+    SharedExpertConfig,
 )
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, GRAD_SYNCS, SYNCS
@@ -79,7 +80,7 @@ INT_MIN = (("nproc", 1), ("steps", 1), ("batch", 1), ("grad_accum", 1), ("seq_le
            ("model_dim", 1), ("hidden_dim", 1), ("top_k", 1), ("chunks", 1), ("trials", 0),
            ("shortlist", 1), ("ranks_per_node", 1), ("save_every", 0), ("eval_every", 0),
            ("eval_seqs", 0), ("warmup", 0), ("stop_after", 0), ("log_every", 1), ("threads", 1),
-           ("corpus_bytes", 10_000))  # fmt: skip
+           ("corpus_bytes", 10_000), ("shared_experts", 0))  # fmt: skip
 FLOAT_RANGE = (
     ("lr", 0.0, math.inf, True),
     ("min_lr_ratio", 0.0, 1.0, False),
@@ -156,6 +157,7 @@ class TrainConfig:
     bias_update_rate: float = 0.0
     activation: str = "gelu"
     expert_bias: bool = False
+    shared_experts: int = 0  # always-on experts of hidden dim hidden_dim (MoEConfig.shared)
     ranks_per_node: int | None = None
     uniform_tokens: bool = True
     policy: str = "schemoe"
@@ -291,7 +293,9 @@ class TrainConfig:
                 sections[section] = cls(**kwargs)
             except (ValueError, TypeError) as e:
                 raise spelled_with_flags(e, names, section) from None
-        return MoEConfig(**sections)
+        n = self.shared_experts
+        shared = SharedExpertConfig(num=n, hidden_dim=self.hidden_dim) if n else None
+        return MoEConfig(**sections, shared=shared)
 
     def _compression(self) -> CompressionConfig:
         """The compression section, after checking its options (every one names a compressor
