@@ -5,12 +5,13 @@ form, placement, deadlock check, search and simulated cost."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from moe_cases import POLICIES, check_against_reference, layer_config
-from schemoe import ExpertConfig, MoEConfig, MoELayer, SharedExpertConfig, is_expert_param
+from schemoe import ExpertConfig, MoEConfig, MoELayer, SharedExpertConfig, cli, is_expert_param
 from schemoe.costmodel.hardware import preset
 from schemoe.costmodel.model import CostModel, LayerShape
 from schemoe.costmodel.prediction import predict
@@ -194,3 +195,11 @@ def test_bad_shared_configs_raise_naming_the_value():
         dataclasses.replace(layer_config(), shared=3)
     with pytest.raises(ValueError, match="'scheduled' or 'before'"):
         place_shared(make_schedule("schemoe", TaskGraph(1, shared=True)), "late")
+
+
+def test_simulate_predicts_both_placements_of_the_chosen_configuration(capsys):
+    argv = "simulate --preset paper-32gpu --tokens 4096 --model-dim 1024 --hidden-dim 4096"
+    assert cli.main([*argv.split(), "--max-chunks", "3", "--shared-hidden", "4096"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pred = {r["shared"]: r["predicted_ms"] for r in out["shared"]}
+    assert pred["scheduled"] == out["chosen"]["predicted_ms"] < pred["before"]
