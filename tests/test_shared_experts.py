@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from moe_cases import POLICIES, check_against_reference, layer_config
-from schemoe import ExpertConfig, MoEConfig, MoELayer, SharedExpertConfig, cli, is_expert_param
+from schemoe import (
+    ExpertConfig,
+    MoEConfig,
+    MoELayer,
+    SharedExpertConfig,
+    cli,
+    is_expert_param,
+    trace,
+)
 from schemoe.costmodel.hardware import preset
 from schemoe.costmodel.model import CostModel, LayerShape
 from schemoe.costmodel.prediction import predict
@@ -203,3 +211,21 @@ def test_simulate_predicts_both_placements_of_the_chosen_configuration(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     pred = {r["shared"]: r["predicted_ms"] for r in out["shared"]}
     assert pred["scheduled"] == out["chosen"]["predicted_ms"] < pred["before"]
+
+
+def test_the_s_task_runs_in_both_directions_and_a_retained_graph_backs_up_twice():
+    torch.manual_seed(0)
+    layer = MoELayer(shared_config("schemoe", 1, 0.0))
+    x = torch.randn(17, 12, requires_grad=True)
+    with trace.record() as tl:
+        y, _ = layer(x)
+        y.sum().backward(retain_graph=True)
+    order = {d: [e.task for e in tl.events if e.direction == d] for d in ("forward", "backward")}
+    for tasks in order.values():  # S between the dispatch compressions and the first D1
+        assert tasks.index("C1.1") < tasks.index("S") < tasks.index("D1.0")
+    first = [p.grad.clone() for p in layer.shared.parameters()]
+    y.sum().backward()  # the shared graph was kept: the same gradients again
+    for g0, p in zip(first, layer.shared.parameters()):
+        assert torch.allclose(p.grad, 2 * g0)
+    with pytest.raises(RuntimeError, match="second time|already ran"):
+        y.sum().backward()
