@@ -25,7 +25,14 @@ from torch import nn
 from ..config import ExpertConfig, MoEConfig, SharedExpertConfig
 from ..scheduling import Direction, Policy, Schedule, TaskGraph, make_schedule, place_shared
 
-__all__ = ["SharedExperts", "build_shared", "region_schedule", "shared_backward", "shared_forward"]
+__all__ = [
+    "SharedExperts",
+    "build_shared",
+    "region_schedule",
+    "shared_backward",
+    "shared_forward",
+    "shared_params",
+]
 
 
 def _uniform(shape: tuple[int, ...], fan_in: int, seed: int) -> torch.Tensor:
