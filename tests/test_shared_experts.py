@@ -49,9 +49,11 @@ def shared_config(policy, world, f, placement="scheduled", **shared) -> MoEConfi
 def _every_policy(rank, world, f, placement):
     tokens = [19 + 5 * q for q in range(world)]  # uneven
     base = None
-    for policy in (*POLICIES, "search"):
+    # "auto" and "search" are tuned (a cost model that knows S); both placements run in one
+    # process, so a tuner's cached decision must not carry one layer's placement to another.
+    for policy in (*POLICIES, "search", "auto"):
         got = check_against_reference(shared_config(policy, world, f, placement), tokens, seed=4)
-        if policy in ("fastermoe", "search"):
+        if policy in ("fastermoe", "search", "auto"):
             continue  # another chunking (peers) or order of summation: reference-close only
         if base is None:
             base = got
