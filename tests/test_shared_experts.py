@@ -36,6 +36,7 @@ from schemoe.scheduling import (
 )
 from schemoe.scheduling.stack import StackGraph, make_stack_schedule
 from schemoe.step.stack import run_stack
+from schemoe.train.config import TrainConfig
 
 
 def shared_config(policy, world, f, placement="scheduled", **shared) -> MoEConfig:
@@ -231,3 +232,13 @@ def test_the_s_task_runs_in_both_directions_and_a_retained_graph_backs_up_twice(
         assert torch.allclose(p.grad, 2 * g0)
     with pytest.raises(RuntimeError, match="second time|already ran"):
         y.sum().backward()
+
+
+def test_train_shared_experts_flag_builds_the_config_and_refuses_micro_chunks():
+    cfg = TrainConfig(shared_experts=2, hidden_dim=64).moe_config(2)
+    assert cfg.shared == SharedExpertConfig(num=2, hidden_dim=64)
+    assert TrainConfig().moe_config(2).shared is None
+    with pytest.raises(ValueError, match="--micro-chunks 2 cannot run --shared-experts"):
+        TrainConfig(shared_experts=1, micro_chunks=2)
+    with pytest.raises(ValueError, match="--shared-experts must be >= 0"):
+        TrainConfig(shared_experts=-1)

@@ -258,6 +258,8 @@ class TrainConfig:
                 raise ValueError(f"--batch {self.batch} must be divisible by --micro-chunks {m}")
         if (m == "auto" or m > 1) and self.policy in ("auto", "search"):
             raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
+        if (m == "auto" or m > 1) and self.shared_experts:  # the stack has no S task yet
+            raise ValueError(f"--micro-chunks {m} cannot run --shared-experts yet; use 1")
         for n, lo, hi, strict in FLOAT_RANGE:
             v = getattr(self, n)
             if not (math.isfinite(v) and (v > lo if strict else v >= lo) and v <= hi):
