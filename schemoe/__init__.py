@@ -13,6 +13,7 @@ from .config import (
     MoEConfig,
     ParallelConfig,
     ScheduleConfig,
+    SharedExpertConfig,
 )
 from .dist.topology import Topology
 from .layer.moe import MoELayer
@@ -39,6 +40,7 @@ __all__ = [
     "MoELayer",
     "ParallelConfig",
     "ScheduleConfig",
+    "SharedExpertConfig",
     "Topology",
     "average_expert_gradients",
     "clip_grad_norm_",

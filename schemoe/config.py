@@ -28,6 +28,7 @@ __all__ = [
     "MoEConfig",
     "ParallelConfig",
     "ScheduleConfig",
+    "SharedExpertConfig",
 ]
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -181,6 +182,45 @@ class ExpertConfig:
         )
 
 
+SHARED_PLACEMENTS = ("scheduled", "before")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedExpertConfig:
+    """Always-on (shared) experts: every token goes through them, added to the routed output
+    (Qwen2-MoE, DeepSeek-V2/V3). Their compute is one task of the layer's schedule ("S"), with
+    no dependency on the all-to-alls, so a policy runs it while they are on the wire.
+
+    Attributes:
+        num: shared experts; n experts of hidden dim H sum to one FFN of hidden dim n H, which
+            is how they run (one task, three or two GEMMs).
+        hidden_dim: H of each shared expert (the activation is the routed experts').
+        gated: scale the output by sigmoid(x w_g), w_g [M, 1] (Qwen2-MoE's shared_expert_gate).
+        placement: "scheduled" (the policy places the task: every built-in one right after the
+            dispatch all-to-alls are posted, under them; its backward under the backward
+            exchanges) or "before" (first, before any dispatch transfer starts: no overlap, as
+            running it outside the layer; for comparison).
+    """
+
+    num: int = 1
+    hidden_dim: int
+    gated: bool = False
+    placement: str = "scheduled"
+
+    def __post_init__(self) -> None:
+        _int("shared num", self.num, 1)
+        _int("shared hidden_dim", self.hidden_dim, 1)
+        _need(
+            self.placement in SHARED_PLACEMENTS,
+            f"shared placement must be one of {SHARED_PLACEMENTS}, got {self.placement!r}",
+        )
+
+    @property
+    def total_hidden(self) -> int:
+        """num x hidden_dim: the hidden dim of the one FFN the shared experts make."""
+        return self.num * self.hidden_dim
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Expert-parallel layout. ranks_per_node overrides the launcher's LOCAL_WORLD_SIZE, so tests
@@ -287,6 +327,7 @@ class MoEConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    shared: SharedExpertConfig | None = None  # always-on experts, a scheduled task (None: none)
 
     def summary(self) -> dict:
         """{policy, chunks, algorithm, compression}: what a layer runs, in one line."""
@@ -312,3 +353,8 @@ class MoEConfig:
                 raise TypeError(
                     f"MoEConfig.{name} must be a {typ.__name__}, got {type(v).__name__}"
                 )
+        if self.shared is not None and not isinstance(self.shared, SharedExpertConfig):
+            raise TypeError(
+                f"MoEConfig.shared must be a SharedExpertConfig or None, "
+                f"got {type(self.shared).__name__}"
+            )

@@ -74,6 +74,10 @@ def test_task_and_schedule_text_round_trip():
     assert str(make_schedule("tutel", TaskGraph(3))).splitlines()[0] == (
         "compute: C1.0 C1.1 C1.2 D1.0 E.0 C2.0 D1.1 E.1 C2.1 D2.0 D1.2 E.2 C2.2 D2.1 D2.2"
     )
+    # Shared experts: one S task, under the first dispatch transfers (tests/test_shared_experts)
+    s = make_schedule("schemoe", TaskGraph(2, ("intra", "inter"), shared=True))
+    assert Schedule.parse(str(s)) == s
+    assert str(s).splitlines()[0] == "compute: C1.0 C1.1 S D1.0 E.0 C2.0 D1.1 E.1 C2.1 D2.0 D2.1"
 
 
 def test_a_schedule_that_would_deadlock_is_rejected_naming_the_task():

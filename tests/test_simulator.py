@@ -89,16 +89,17 @@ class _VirtualRunner:
         pass
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["", "shared"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("links", [("net",), ("intra", "inter")])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_simulator_and_executor_agree_on_task_order_per_resource_and_on_makespan(
-    policy, links, direction
+    policy, links, direction, shared
 ):
-    rng = random.Random(hash((policy, links, direction)) % 1000)
+    rng = random.Random(hash((policy, links, direction, shared)) % 1000)
     for r in (1, 2, 3, 4):
         partition = "peers" if policy == "fastermoe" else "capacity"
-        g = TaskGraph(r, links, direction, partition)
+        g = TaskGraph(r, links, direction, partition, shared)
         costs = {t: rng.uniform(0.1, 4) for t in g.tasks}
         sched = make_schedule(policy, g, costs)
         runner = _VirtualRunner(costs)

@@ -4,6 +4,9 @@ Each step is `zero_grad; y, aux = layer(x); (y * g).sum() + aux; backward` on T 
 Candidates are every combination of --policies x --algorithms x --compressors x --chunks (a
 compressor "a/b" means forward a, backward b; plain "a" means both), and with `--peer deepspeed`
 DeepSpeed's `deepspeed.moe.layer.MoE` at the same E, k, f, M, H (gelu, no bias, no token noise).
+With `--shared-hidden Hs` every candidate has one shared expert of hidden dim Hs and runs twice:
+its S task where the policy places it (shared=scheduled, under the dispatch all-to-alls) and
+before the dispatch (shared=before, no overlap, as running it outside the layer).
 
 The lower bound and the all-to-all share come from two parts timed separately, interleaved with
 the candidates in the same run, for the first --algorithms entry without compression
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import logging
@@ -69,6 +73,7 @@ CHECKS = {
     "--capacity-factor": Check(0),
     "--warmup": Check(0),
     "--repeats": Check(1),
+    "--shared-hidden": Check(0),
 }
 
 
@@ -89,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token k")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="f; 0 = dropless")
+    p.add_argument("--shared-hidden", type=int, default=0, metavar="HS",
+                   help="one shared expert of hidden dim HS in every candidate, each run with "
+                        "its task scheduled and before the dispatch (0: none)")  # fmt: skip
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="activations and weights")
     p.add_argument(
         "--device",
@@ -202,6 +210,14 @@ def _config(args, world: int, rpn: int, policy="sequential", algo="naive", comp=
     )
 
 
+def _shared(cfg: c.MoEConfig, args, placement: str | None) -> c.MoEConfig:
+    """`cfg` with --shared-hidden's shared expert placed as `placement` (None: as it is)."""
+    if placement is None:
+        return cfg
+    shared = c.SharedExpertConfig(num=1, hidden_dim=args.shared_hidden, placement=placement)
+    return dataclasses.replace(cfg, shared=shared)
+
+
 def _deepspeed(args, world: int, dtype: torch.dtype) -> torch.nn.Module:
     deepspeed = import_deepspeed()
     from deepspeed.moe.layer import MoE
@@ -282,16 +298,20 @@ def _bench(args: argparse.Namespace, env) -> None:
     combos = list(itertools.product(args.policies, args.algorithms, args.compressors, args.chunks))
     if "auto" in args.policies:  # one row: the cost model picks algorithm, compressor and r
         combos = [c for c in combos if c[0] != "auto"] + [("auto", "naive", "none", 1)]
-    for pol, algo, comp, r in combos:
+    placements = ("scheduled", "before") if args.shared_hidden else (None,)
+    for (pol, algo, comp, r), place in itertools.product(combos, placements):
         if pol != "auto" and POLICIES.get(pol).partition == Partition.PEERS and r > world:
             continue  # the peers partition has at most P chunks
-        layer = MoELayer(_config(args, world, env.ranks_per_node, pol, algo, comp, r)).to(dtype)
+        cfg = _shared(_config(args, world, env.ranks_per_node, pol, algo, comp, r), args, place)
+        layer = MoELayer(cfg).to(dtype)
         if not cands:
             first = layer
-        name = f"{pol}/{algo}/{comp}/r{r}"
+        name = f"{pol}/{algo}/{comp}/r{r}" + (f"/shared-{place}" if place else "")
         cands[name] = _step(layer, x, g)
         layers[name] = layer
         rows.append({"policy": pol, "algorithm": algo, "compressor": comp, "chunks": r, "_n": name})
+        if place:
+            rows[-1]["shared"] = place
     for peer in args.peer:
         cands[peer] = _step(_deepspeed(args, world, dtype), x, g)
         rows.append({"policy": peer, "algorithm": "deepspeed", "compressor": "none", "chunks": 1,
@@ -300,7 +320,8 @@ def _bench(args: argparse.Namespace, env) -> None:
     cands |= expert_cands
     # The parts: one-rank groups (new_group is collective: every rank creates all of them).
     solo = [dist.new_group([q]) for q in range(world)][rank]
-    single = MoELayer(_config(args, 1, 1, algo=args.algorithms[0]), group=solo).to(dtype)
+    single_cfg = _shared(_config(args, 1, 1, algo=args.algorithms[0]), args, placements[0])
+    single = MoELayer(single_cfg, group=solo).to(dtype)
     cands["parts:compute1"] = parts.one_at_a_time(_step(single, x, g), rank, world)
     algo = parts.algorithm(args.algorithms[0], env.ranks_per_node)
     cands["parts:comm"] = _comm_only(first.config.gate, algo, args, world, dtype)
@@ -339,6 +360,8 @@ def _bench(args: argparse.Namespace, env) -> None:
     config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden_dim", "top_k", "dtype")}
     config |= {"experts": first.config.gate.num_experts, "f": args.capacity_factor,
                "warmup": args.warmup, "repeats": args.repeats}  # fmt: skip
+    if args.shared_hidden:
+        config["shared_hidden"] = args.shared_hidden
     head = output.header("schemoe bench layer", config, env.topology(world), env.link())
     head += experts.header(args)
     trials = [row for tuner in tuners.values() for row in tuner.report]
@@ -366,4 +389,7 @@ def _bench(args: argparse.Namespace, env) -> None:
     if expert_rows:
         summary["experts"] = experts.report(expert_rows, stats)
     cols = ["policy", "algorithm", "compressor", "chunks", "median_ms", "p10_ms", "p90_ms"]
+    if args.shared_hidden:
+        cols.insert(4, "shared")
+        cols += ["predicted_ms"] if args.predict else []
     output.report(head, rows + part_rows + expert_rows, cols, summary)

@@ -26,7 +26,7 @@ import torch
 from .. import compression
 from ..config import ExpertConfig, GateConfig
 from ..routing.layout import Partition
-from ..scheduling import Direction, Task, TaskCosts, TaskGraph
+from ..scheduling import SHARED, Direction, Task, TaskCosts, TaskGraph
 from .hardware import Hardware
 
 __all__ = [
@@ -212,6 +212,7 @@ class LayerShape:
     capacity_factor: float = 1.25
     activation: str = "gelu"
     dtype_bytes: int = 4
+    shared_hidden: int = 0  # the shared experts' num x hidden_dim (0: none); all T tokens
 
     def __post_init__(self) -> None:
         # The layer's own configs check experts, k, f and the dims, naming the bad value.
@@ -221,6 +222,12 @@ class LayerShape:
         )
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
             raise ValueError(f"tokens must be an int >= 0, got {self.tokens!r}")
+        if (
+            isinstance(self.shared_hidden, bool)
+            or not isinstance(self.shared_hidden, int)
+            or self.shared_hidden < 0
+        ):
+            raise ValueError(f"shared_hidden must be an int >= 0, got {self.shared_hidden!r}")
         if self.dtype_bytes not in (1, 2, 4, 8):
             raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
 
@@ -242,6 +249,7 @@ class LayerShape:
             g.capacity_factor,
             e.activation,
             dtype_bytes,
+            config.shared.total_hidden if getattr(config, "shared", None) is not None else 0,
         )
 
 
@@ -292,7 +300,7 @@ class CostModel:
         return {}
 
     def task_costs(self, graph: TaskGraph) -> TaskCosts:
-        key = (graph.chunks, graph.links, graph.direction, graph.partition)
+        key = (graph.chunks, graph.links, graph.direction, graph.partition, graph.shared)
         if key not in self._cache:
             k = self.compute_scale
             durations = {t: v if t.is_comm else v * k for t, v in self._durations(graph).items()}
@@ -338,7 +346,20 @@ class CostModel:
             for p in (1, 2):
                 for ln in graph.links:
                     out[Task("A", p, i, ln)] = links[ln]
+        if graph.shared:
+            out[SHARED] = self.shared_time(backward)
         return out
+
+    def shared_time(self, backward: bool = False) -> float:
+        """The shared experts' task S: one FFN of hidden num x H over all T tokens of the rank,
+        at the routed experts' compute rate (`expert_time`; the optional [M, 1] gate's 2 T M
+        FLOPs are left out, under 1/H of the FFN's)."""
+        sh = self.shape
+        if not sh.shared_hidden:
+            raise ValueError("the graph has a shared-experts task but the shape has none")
+        return expert_time(
+            self.hardware, sh.tokens, sh.model_dim, sh.shared_hidden, sh.activation, backward
+        )
 
     def outside(self) -> float:
         """Seconds of one step outside the scheduled region: the router's GEMM forward and

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 from ..config import MoEConfig
 from ..dist.links import Links
-from ..scheduling import POLICIES, Direction, TaskGraph, make_schedule, simulator
+from ..scheduling import (
+    POLICIES,
+    Direction,
+    TaskGraph,
+    make_schedule,
+    place_shared,
+    simulator,
+)
 from . import profiles
 from .hardware import Hardware
 from .model import A2A_MODELS, CostModel, LayerShape, sharing_scale
@@ -73,9 +80,12 @@ def predict(
     chunks: int = 1,
     *,
     events: list | None = None,
+    shared: str = "scheduled",
 ) -> Prediction:
     """Simulate one configuration; append its timeline to `events` if given (forward from 0,
-    backward after forward + outside). When CPU ranks share cores (hw.host_cores), the compute
+    backward after forward + outside). A shape with shared experts (shape.shared_hidden) adds
+    their task S, placed as `shared` says ("scheduled": where the policy puts it; "before":
+    first, as `SharedExpertConfig.placement`). When CPU ranks share cores (hw.host_cores), the compute
     speed depends on how busy the ranks are (`model.sharing_scale`): three fixed-point passes.
     Every compute cost is also multiplied by `hw.compute_factor`."""
     partition = POLICIES.get(policy).partition
@@ -85,8 +95,8 @@ def predict(
         out, busy, comm, t0 = {}, cm.outside(), 0.0, 0.0
         evs: list = []
         for direction in Direction:
-            graph = TaskGraph(chunks, cm.links, direction, partition)
-            sched = make_schedule(policy, graph, cm)
+            graph = TaskGraph(chunks, cm.links, direction, partition, shape.shared_hidden > 0)
+            sched = place_shared(make_schedule(policy, graph, cm), shared)
             span, ev = simulator.run(sched, graph, cm, origin=t0, record=events is not None)
             out[direction] = span
             evs += ev
@@ -121,6 +131,7 @@ def predict_config(
         (c.compression.forward, c.compression.backward),
         c.schedule.chunks,
         events=events,
+        shared=c.shared.placement if c.shared is not None else "scheduled",
     )
 
 

@@ -16,8 +16,12 @@ The math of the blocks in transformers 5.x (checked against 5.24), and how it ma
   HF model computes its own from the router logits.
 - Experts: gate_up_proj [E, 2I, M], down_proj [E, M, I]; y_e = down (silu(gate x) * (up x)):
   ExpertConfig(activation="swiglu") with w1 = gate^T [E, M, I], w3 = up^T, w2 = down^T [E, I, M].
-- Qwen2-MoE's shared expert: y += sigmoid(x W_s^T) * shared_mlp(x); kept as a dense side branch
-  (the original modules) in the wrapper.
+- Qwen2-MoE's shared expert: y += sigmoid(x W_s^T) * shared_mlp(x). MoELayer runs it as its
+  shared experts (SharedExpertConfig(num=1, hidden_dim=shared_expert_intermediate_size,
+  gated=True)): the schedule's S task, under the dispatch all-to-alls (and its backward under the
+  backward exchanges) instead of before the layer. Its weights are the original modules' (tied:
+  gate_proj/up_proj/down_proj.weight and shared_expert_gate.weight are MoELayer's w1_HM, w3_HM,
+  w2_MH and gate_1M), so the model's parameter names, checkpoints and optimizer see no change.
 - Mixtral's router jitter (training only): x *= U(1 - j, 1 + j), applied first, as HF does.
 
 In 5.x a block returns the hidden states only; the model collects router logits (for
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..config import ExpertConfig, GateConfig, MoEConfig
+from ..config import ExpertConfig, GateConfig, MoEConfig, SharedExpertConfig
 from ..layer.moe import MoELayer
 
 if TYPE_CHECKING:  # the optional parts of the config, left to MoEConfig's defaults when None
@@ -64,7 +68,9 @@ class HFMoEBlock(nn.Module):
         moe: the MoELayer (dropless, swiglu, gate_weight tied to `router.weight`).
         router: the model's original router module (called for the router-logit hooks).
         jitter: Mixtral's router_jitter_noise.
-        shared, shared_gate: Qwen2-MoE's shared expert MLP and its [M -> 1] gate, or None.
+        shared, shared_gate: Qwen2-MoE's shared expert MLP and its [M -> 1] gate, or None;
+            kept for their parameter names only: `moe` computes them (its shared experts, tied
+            to these weights).
     """
 
     def __init__(
@@ -87,9 +93,9 @@ class HFMoEBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         x_TM = x.reshape(-1, M)
         self.gate(x_TM)  # only for the model's router-logit hooks (output_router_logits)
-        y_TM, _ = self.moe(x_TM)  # aux is 0: the HF model adds its own balancing loss
-        if self.shared_expert is not None:
-            y_TM = y_TM + torch.sigmoid(self.shared_expert_gate(x_TM)) * self.shared_expert(x_TM)
+        # aux is 0: the HF model adds its own balancing loss. The shared expert, if any, runs
+        # inside: its output is in y_TM.
+        y_TM, _ = self.moe(x_TM)
         return y_TM.view(B, L, M)
 
 
@@ -112,6 +118,24 @@ def _check_layout(block: nn.Module) -> None:
             f"{name} uses activation {type(ex.act_fn).__name__}; MoELayer's swiglu "
             "experts need silu (hidden_act='silu')"
         )
+
+
+def _shared_config(block: nn.Module) -> SharedExpertConfig | None:
+    """Qwen2-MoE's shared expert (an MLP and a [M -> 1] sigmoid gate) as MoELayer's, or None."""
+    sh = getattr(block, "shared_expert", None)
+    if sh is None:
+        return None
+    gate = getattr(block, "shared_expert_gate", None)
+    linears = ("gate_proj", "up_proj", "down_proj")
+    if gate is None or any(getattr(getattr(sh, n, None), "bias", 0) is not None for n in linears):
+        raise TypeError(
+            f"{type(block).__name__}'s shared expert is not Qwen2-MoE's (gate_proj, up_proj, "
+            "down_proj without bias, and shared_expert_gate); this layout is not supported"
+        )
+    act = type(getattr(sh, "act_fn", None)).__name__.lower()
+    if "silu" not in act and "swish" not in act:
+        raise ValueError(f"the shared expert uses activation {act}; MoELayer's needs silu")
+    return SharedExpertConfig(num=1, hidden_dim=sh.gate_proj.weight.shape[0], gated=True)
 
 
 def from_hf_block(
@@ -147,12 +171,17 @@ def from_hf_block(
             aux_loss_weight=0.0,
         ),
         experts=ExpertConfig(model_dim=M, hidden_dim=ex.down_proj.shape[-1], activation="swiglu"),
+        shared=_shared_config(block),
         **{part: value for part, value in given.items() if value is not None},
     )
     w = gate.weight
     moe = MoELayer(cfg, group=group).to(device=w.device, dtype=w.dtype)
     moe.load_global_state(to_schemoe_experts(ex.gate_up_proj.detach(), ex.down_proj.detach()))
     moe.gate_weight = gate.weight  # tied: one router weight, gradients from both uses
+    if cfg.shared is not None:  # tied too: MoELayer computes them, the HF names hold them
+        sh = block.shared_expert
+        moe.shared.w1_HM, moe.shared.w3_HM = sh.gate_proj.weight, sh.up_proj.weight
+        moe.shared.w2_MH, moe.shared.gate_1M = sh.down_proj.weight, block.shared_expert_gate.weight
     return HFMoEBlock(
         moe,
         gate,

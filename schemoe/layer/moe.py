@@ -29,10 +29,11 @@ from ..dist.topology import Topology
 from ..experts.ffn import BatchedFFN, ModuleExperts
 from ..routing import LoadMetrics, load_balancing_loss, route, router_z_loss, tally
 from ..routing.losses import update_balance_bias
-from ..scheduling import POLICIES, Direction, Schedule, TaskGraph, make_schedule
+from ..scheduling import POLICIES, Direction, Schedule, TaskGraph
 from ..scheduling.background import Background
 from .dispatcher import TokenDispatcher
 from .region import Region, run_region
+from .shared import build_shared, region_schedule
 
 __all__ = ["NEEDS_TUNER", "MoELayer"]
 
@@ -128,6 +129,7 @@ class MoELayer(nn.Module):
             self.experts = BatchedFFN(config.experts, self.num_local, first, seed)
         else:
             self.experts = ModuleExperts(expert_factory, self.num_local, first)
+        self.shared = build_shared(config, seed)  # always-on experts (dense), or None
         if config.gate.bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E))
             self.register_buffer("expert_load", torch.zeros(E, dtype=torch.long))  # exact counts
@@ -158,7 +160,7 @@ class MoELayer(nn.Module):
                 "configure() takes a resolved configuration; policy 'auto' is resolved by "
                 "schemoe.tuning.auto.AutoTuner"
             )
-        fixed = ("gate", "experts", "parallel")
+        fixed = ("gate", "experts", "parallel", "shared")
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
             raise ValueError(
                 f"configure() may change schedule, collective and compression only, "
@@ -184,8 +186,7 @@ class MoELayer(nn.Module):
         links = tuple(self.algorithm.links)
         self._schedules = {}
         for direction in Direction:
-            graph = TaskGraph(config.schedule.chunks, links, direction, policy.partition)
-            self._schedules[direction] = (graph, make_schedule(policy.name, graph, costs))
+            self._schedules[direction] = region_schedule(config, policy, links, direction, costs)
         self._running = config
 
     @property
@@ -284,6 +285,7 @@ class MoELayer(nn.Module):
             self._schedules[Direction.FORWARD],
             self._schedules[Direction.BACKWARD],
             self.background,
+            self.shared,
         )
 
     def schedule(self, direction: Direction | str) -> tuple[TaskGraph, Schedule]:
@@ -297,9 +299,12 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows_NM, meta, aux = self.dispatch(x)
         # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
-        out_NM = run_region(self.region(meta), rows_NM)
-        # 4. Weighted sum back in token order.
+        x_TM = None if self.shared is None else x.reshape(-1, self.config.experts.model_dim)
+        out = run_region(self.region(meta), rows_NM, x_TM)  # shared experts: (rows, s_TM)
+        out_NM, s_TM = (out, None) if x_TM is None else out
+        # 4. Weighted sum back in token order, plus the shared experts' output.
         y_TM = self.dispatcher.combine(out_NM, meta)
+        y_TM = y_TM if s_TM is None else y_TM + s_TM
         return y_TM.view(x.shape), aux
 
     # ---------------------------------------------------------------- routing statistics

@@ -8,7 +8,8 @@ the selection bias `bias` [E]), not with the router's tensor code.
 
 `weights` is the unsharded state of MoELayer.global_state(): gate_weight [E, M],
 experts.w1_EMH [E, M, H], experts.w2_EHM [E, H, M] (+ experts.w3_EMH for swiglu,
-experts.b1_EH / experts.b2_EM with bias).
+experts.b1_EH / experts.b2_EM with bias; shared.w1_HM, shared.w2_MH (+ shared.w3_HM,
+shared.gate_1M) with shared experts).
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ def _choose(s: list[float], bias: torch.Tensor | None, g) -> list[int]:
     kept = sorted(groups, key=best, reverse=True)[: g.kept_groups]
     allowed = [e for group in kept for e in group]
     return sorted(allowed, key=lambda e: -sel[e])[: g.top_k]
+
+
+def _shared(x: torch.Tensor, w: dict[str, torch.Tensor], act: str) -> torch.Tensor:
+    h = x @ w["shared.w1_HM"].t()
+    a = {"relu": F.relu, "gelu": F.gelu}[act](h) if act != "swiglu" else None
+    if a is None:
+        a = F.silu(h) * (x @ w["shared.w3_HM"].t())
+    y = a @ w["shared.w2_MH"].t()
+    if "shared.gate_1M" in w:
+        y = torch.sigmoid(x @ w["shared.gate_1M"].t()) * y
+    return y
 
 
 def reference_moe(
@@ -97,6 +109,8 @@ def reference_moe(
             out = _expert(x[[t for t, _ in mine]], weights, e, config.experts.activation)
             for n, (t, j) in enumerate(mine):
                 y = y.index_add(0, torch.tensor([t]), (out[n].float() * w[t, j])[None])
+        if config.shared is not None:  # always-on experts, every token, one FFN of num x H
+            y = y + _shared(x, weights, config.experts.activation).float()
         ys.append(y.to(x.dtype))
         aux = probs.new_zeros(())
         if T > 0:

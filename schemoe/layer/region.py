@@ -8,7 +8,13 @@ gradient ignores the rounding of the forward payload (the usual choice; see the 
 When no gradient is needed (torch.no_grad, inference_mode, or nothing requires grad) the region
 runs the forward schedule alone and builds no expert graph.
 
-Legend: N dispatch-buffer rows of this rank, M model dim, W wire width of a compressed row.
+With shared experts (`Region.shared`) the region also takes the layer's tokens x_TM and runs the
+schedule's S task on them (forward: s_TM = shared(x_TM); backward: the gradients of x_TM and of
+the shared weights from that of s_TM), wherever the policy placed it; it then returns
+(out_NM, s_TM), and the layer adds s_TM to the combined output (shared.py).
+
+Legend: N dispatch-buffer rows of this rank, T tokens of this rank, M model dim, W wire width of
+a compressed row.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from .. import trace
 from ..routing.layout import Chunk
 from ..scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from ..scheduling.background import Background
+from .shared import shared_backward, shared_forward, shared_params
 
 __all__ = [
     "ChunkRunner",
@@ -50,7 +57,8 @@ class Region:
     forward: tuple[TaskGraph, Schedule]
     backward: tuple[TaskGraph, Schedule]
     background: Background | None = None  # gradient buckets to post into idle network time
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    shared: nn.Module | None = None  # shared experts: the S task (both schedules have it)
+    saved: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def links(self) -> tuple[str, ...]:
@@ -60,10 +68,19 @@ class Region:
 class ChunkRunner:
     """Maps the region tasks of one direction onto tensors (the executor's TaskRunner; the stack
     runtime runs one per block and micro-chunk). Forward and backward differ only in the source
-    rows, the compressor and what the expert task does: `expert_fn(chunk, rows, counts)`."""
+    rows, the compressor and what the expert task does: `expert_fn(chunk, rows, counts)`; the
+    shared-experts task S calls `shared_fn()` and keeps its result in `shared_out`."""
 
-    def __init__(self, region: Region, src_NM: torch.Tensor, comp, expert_fn: Callable) -> None:
+    def __init__(
+        self,
+        region: Region,
+        src_NM: torch.Tensor,
+        comp,
+        expert_fn: Callable,
+        shared_fn: Callable | None = None,
+    ) -> None:
         self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
+        self.shared_fn, self.shared_out = shared_fn, None
         self.multi = len(region.links) > 1
         self.out: torch.Tensor | None = None
         self.payload: dict[tuple[int, int], torch.Tensor] = {}
@@ -78,6 +95,10 @@ class ChunkRunner:
         self.payload[key] = self.comp.encode(x)
 
     def run(self, t: Task) -> None:
+        if t.kind == Kind.S:
+            assert self.shared_fn is not None, "an S task in a region without shared experts"
+            self.shared_out = self.shared_fn()
+            return
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
         if t.kind == Kind.C and t.phase == Phase.DISPATCH:
@@ -218,14 +239,16 @@ class OrderedSum:
 
 class _RegionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, region: Region, rows_NM: torch.Tensor, *params: torch.Tensor):
-        out_NM = _run_forward(region, rows_NM, expert_forward(region))
+    def forward(ctx, region: Region, rows_NM: torch.Tensor, x_TM, *params: torch.Tensor):
+        # params: the experts', then the shared experts' (x_TM is None without them).
+        s_fn = None if region.shared is None else shared_forward(region.shared, x_TM, region.saved)
+        out_NM, s_TM = _run_forward(region, rows_NM, expert_forward(region), s_fn)
         ctx.region = region
         ctx.n_params = len(params)
-        return out_NM
+        return out_NM if s_TM is None else (out_NM, s_TM)
 
     @staticmethod
-    def backward(ctx, grad_NM: torch.Tensor):
+    def backward(ctx, grad_NM: torch.Tensor, *grad_s):
         region: Region = ctx.region
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -240,21 +263,38 @@ class _RegionFn(torch.autograd.Function):
         acc = OrderedSum(len(params), dict.fromkeys(range(len(params)), chunks))
         idx = list(range(len(params)))
         expert_bwd = expert_backward(region, params, keep, lambda i, gs: acc.put(i, idx, gs))
-        runner = ChunkRunner(region, grad_NM.contiguous(), region.backward_compressor, expert_bwd)
+        s_params, s_fn = shared_params(region.shared), None
+        if region.shared is not None:
+            s_fn = shared_backward(region.saved, s_params, grad_s[0], keep)
+        runner = ChunkRunner(
+            region, grad_NM.contiguous(), region.backward_compressor, expert_bwd, s_fn
+        )
         execute(sched, graph, runner, trace.active("backward"), region.background)
-        return (None, runner.result(), *acc.result(params))
+        g_x, g_s = runner.shared_out if s_fn is not None else (None, [])
+        return (None, runner.result(), g_x, *acc.result(params), *g_s)
 
 
-def _run_forward(region: Region, rows_NM: torch.Tensor, expert_fn: Callable) -> torch.Tensor:
-    runner = ChunkRunner(region, rows_NM, region.forward_compressor, expert_fn)
+def _run_forward(
+    region: Region, rows_NM: torch.Tensor, expert_fn: Callable, shared_fn: Callable | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    runner = ChunkRunner(region, rows_NM, region.forward_compressor, expert_fn, shared_fn)
     graph, sched = region.forward
     execute(sched, graph, runner, trace.active("forward"), region.background)
-    return runner.result()
+    return runner.result(), runner.shared_out
 
 
-def run_region(region: Region, rows_NM: torch.Tensor) -> torch.Tensor:
-    """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows."""
-    params = expert_params(region.experts)
-    if not torch.is_grad_enabled() or not (rows_NM.requires_grad or params):
-        return _run_forward(region, rows_NM, lambda i, x, counts: region.experts(x, counts))
-    return _RegionFn.apply(region, rows_NM, *params)
+def run_region(region: Region, rows_NM: torch.Tensor, x_TM: torch.Tensor | None = None):
+    """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows
+    [N, M], or with shared experts (`region.shared`, which need this rank's tokens x_TM [T, M])
+    (combined rows [N, M], shared output [T, M])."""
+    if (region.shared is None) != (x_TM is None):
+        raise ValueError("x_TM is needed exactly when the region has shared experts")
+    params = expert_params(region.experts) + shared_params(region.shared)
+    grad = rows_NM.requires_grad or params or (x_TM is not None and x_TM.requires_grad)
+    if not torch.is_grad_enabled() or not grad:
+        s_fn = None if region.shared is None else (lambda: region.shared(x_TM))
+        out_NM, s_TM = _run_forward(
+            region, rows_NM, lambda i, x, counts: region.experts(x, counts), s_fn
+        )
+        return out_NM if s_TM is None else (out_NM, s_TM)
+    return _RegionFn.apply(region, rows_NM, x_TM, *params)

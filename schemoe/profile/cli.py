@@ -57,6 +57,7 @@ CHECKS = {
     "--nodes": Check(1),
     "--model-dim": Check(1),
     "--hidden-dim": Check(1),
+    "--shared-hidden": Check(0),
     "--tokens": Check(1),
     "--experts": Check(1),
     "--top-k": Check(1),
@@ -173,6 +174,7 @@ def _shape(args, hw):
         capacity_factor=args.capacity_factor,
         activation=args.activation,
         dtype_bytes=args.dtype_bytes,
+        shared_hidden=args.shared_hidden,
     )
 
 
@@ -260,6 +262,13 @@ def _simulate(args: argparse.Namespace) -> int:
         "chosen": {**chosen.row(), "predicted_ms": chosen_ms},
     }
     print(f"chosen: {out['chosen']}")
+    if shape.shared_hidden:  # the chosen configuration, the shared expert's task placed both ways
+        out["shared"] = [
+            {"shared": place, "predicted_ms": round(args.layers * (p.step_s + dense) * 1e3, 3)}
+            for place in ("scheduled", "before")
+            for p in [predict(hw, shape, *chosen_args(chosen), shared=place)]
+        ]
+        print(f"shared expert: {out['shared']}")
     if args.systems:
         out["systems"] = _systems(hw, shape, args.layers, dense)
         for row in out["systems"]:
@@ -288,6 +297,11 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {args.png}")
     print(json.dumps(out))
     return 0
+
+
+def chosen_args(p) -> tuple:
+    """predict()'s positional arguments after (hw, shape) for prediction `p`."""
+    return p.policy, p.algorithm, p.compressors, p.chunks
 
 
 def _only_or_keyed(path: str, key: str | None):
@@ -357,6 +371,9 @@ def register(subparsers) -> None:
     s.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
     s.add_argument("--top-k", type=int, default=2, help="experts per token k")
     s.add_argument("--capacity-factor", type=float, default=1.0, help="f")
+    s.add_argument("--shared-hidden", type=int, default=0, metavar="HS",
+                   help="one shared expert of hidden dim HS: its task in the schedule; the "
+                        "chosen configuration is also predicted with it before the dispatch")  # fmt: skip
     s.add_argument(
         "--activation",
         default="gelu",

@@ -3,14 +3,34 @@ simulator and the `search` policy (registered here, with the built-in policies).
 
 from . import search, stack
 from .executor import execute
-from .policies import POLICIES, Policy, fifo_links, make_schedule, register_policy
+from .policies import (
+    POLICIES,
+    Policy,
+    fifo_links,
+    make_schedule,
+    place_shared,
+    register_policy,
+    with_shared,
+)
 from .simulator import TaskCosts, run
 from .stack import STACK_POLICIES, StackGraph, make_stack_schedule, stack_task_costs
-from .tasks import COMPUTE, Direction, Kind, Partition, Phase, Schedule, Task, TaskGraph, walk
+from .tasks import (
+    COMPUTE,
+    SHARED,
+    Direction,
+    Kind,
+    Partition,
+    Phase,
+    Schedule,
+    Task,
+    TaskGraph,
+    walk,
+)
 
 __all__ = [
     "COMPUTE",
     "POLICIES",
+    "SHARED",
     "STACK_POLICIES",
     "Direction",
     "Kind",
@@ -26,10 +46,12 @@ __all__ = [
     "fifo_links",
     "make_schedule",
     "make_stack_schedule",
+    "place_shared",
     "register_policy",
     "run",
     "search",
     "stack",
     "stack_task_costs",
     "walk",
+    "with_shared",
 ]

@@ -15,6 +15,13 @@ Built-in policies (r chunks, compute order):
     fastermoe   the schemoe order over a "peers" partition: chunk s exchanges with the ranks at
                 offsets in group s (FasterMoE's smart schedule pipelines over peer groups)
 
+A graph with shared experts (`TaskGraph(shared=True)`) has one more compute task, S, needing
+nothing; every built-in policy puts it right after the dispatch compressions that precede the
+first D1 (C1.0 S D1.0 ... for sequential, C1.0..C1.r-1 S D1.0 ... for tutel and schemoe), i.e.
+as soon as the first dispatch transfers are posted, so it runs under them (forward) or under the
+first gradient exchanges (backward). `fifo_links` puts it there for any policy whose order leaves
+it out; `place_shared(schedule, "before")` moves it first instead (no overlap, for comparison).
+
 Register your own:
 
     @register_policy("mine")
@@ -27,9 +34,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..registry import Registry
-from .tasks import COMPUTE, Kind, Partition, Phase, Schedule, Task, TaskGraph
+from .tasks import COMPUTE, SHARED, Kind, Partition, Phase, Schedule, Task, TaskGraph
 
-__all__ = ["POLICIES", "Policy", "fifo_links", "make_schedule", "register_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "fifo_links",
+    "make_schedule",
+    "place_shared",
+    "register_policy",
+    "with_shared",
+]
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,37 @@ def register_policy(
     return deco
 
 
+def with_shared(graph: TaskGraph, compute: list[Task]) -> list[Task]:
+    """`compute` with the shared-experts task S at its default place, right before the first
+    D1 (after the dispatch compressions ahead of it), if the graph has S and `compute` lacks it."""
+    if not getattr(graph, "shared", False) or SHARED in compute:
+        return list(compute)
+    first_d1 = next(
+        (n for n, t in enumerate(compute) if t.kind == Kind.D and t.phase == Phase.DISPATCH),
+        len(compute),
+    )
+    return [*compute[:first_d1], SHARED, *compute[first_d1:]]
+
+
+def place_shared(schedule: Schedule, placement: str) -> Schedule:
+    """`schedule` with S where `placement` says: "scheduled" as it is; "before" first in the
+    compute order, ahead of every dispatch compression (the link orders are kept: S has no
+    transfer). A schedule without S is returned as it is."""
+    if placement == "scheduled":
+        return schedule
+    if placement != "before":
+        raise ValueError(f"shared placement must be 'scheduled' or 'before', got {placement!r}")
+    compute = schedule.order.get(COMPUTE, ())
+    if SHARED not in compute:
+        return schedule
+    rest = tuple(t for t in compute if t != SHARED)
+    return Schedule({**schedule.order, COMPUTE: (SHARED, *rest)})
+
+
 def fifo_links(graph: TaskGraph, compute: list[Task]) -> Schedule:
-    """Complete a compute order with FIFO link orders: each A task queues when its input is made."""
+    """Complete a compute order with FIFO link orders: each A task queues when its input is made.
+    A shared-experts task the order leaves out goes to its default place (`with_shared`)."""
+    compute = with_shared(graph, compute)
     pos = {t: i for i, t in enumerate(compute)}
     order: dict[str, tuple[Task, ...]] = {COMPUTE: tuple(compute)}
     for link in graph.links:

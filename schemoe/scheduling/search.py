@@ -1,7 +1,8 @@
 """The `search` policy: the compute order with the smallest simulated makespan.
 
 A compute order is any interleaving of the r chains C1.i D1.i E.i C2.i D2.i (each chain in its
-own order); links then run first-come first-served (`fifo_links`), which never deadlocks since a
+own order, and the shared-experts task S, when the graph has it, a chain of its own, free to
+go anywhere); links then run first-come first-served (`fifo_links`), which never deadlocks since a
 transfer queues in the order its input is produced. Theorem 1 of the paper proves the schemoe
 order optimal for equal chunks, one FIFO link and free overheads; the simulator also sees what
 the theorem leaves out: two links (Pipe-A2A), unequal compress/decompress costs in backward,
@@ -25,7 +26,7 @@ import itertools
 
 from . import simulator
 from .policies import fifo_links, register_policy, schemoe, sequential, tutel
-from .tasks import COMPUTE, Kind, Phase, Schedule, Task, TaskGraph
+from .tasks import COMPUTE, SHARED, Kind, Phase, Schedule, Task, TaskGraph
 
 __all__ = ["best_order", "interleavings", "search"]
 
@@ -35,7 +36,8 @@ MAX_EVALS = 1500
 
 
 def _chains(graph: TaskGraph) -> list[list[Task]]:
-    return [
+    shared = [[SHARED]] if graph.shared else []
+    return shared + [
         [
             Task(Kind.C, Phase.DISPATCH, i),
             Task(Kind.D, Phase.DISPATCH, i),
@@ -97,6 +99,7 @@ def best_order(graph: TaskGraph, costs) -> tuple[list[Task], float]:
                 best, best_t = order, t
         return best, best_t
     rank = {t: i for i, t in enumerate(ref)}
+    chain_of = {t: c for c in chains for t in c}
 
     def complete(prefix: list[Task]) -> list[Task]:
         seen = set(prefix)
@@ -128,7 +131,7 @@ def best_order(graph: TaskGraph, costs) -> tuple[list[Task], float]:
             if ev.evals >= MAX_EVALS:
                 break
             t = best[i]
-            chain = chains[t.chunk]
+            chain = chain_of[t]
             k = chain.index(t)
             lo = where[chain[k - 1]] if k > 0 else -1
             hi = where[chain[k + 1]] if k + 1 < len(chain) else len(best)

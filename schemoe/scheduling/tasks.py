@@ -25,6 +25,14 @@ norm, attention, residual, router, encode) and "PO" (post-MoE: decode and residu
 "b0.m1.AT"; "AR.k" is gradient all-reduce bucket k, a transfer on a link like A. A task of block
 0 and micro-chunk 0 prints as it always has ("C1.0", "E.2").
 
+"S" is the shared experts' task (MoEConfig.shared): one per layer call, on the compute resource,
+over all of the call's tokens, with no dependency on any exchange, so a policy can run it while
+the dispatch (forward) or the gradient exchanges (backward) are on the wire. One task, not one
+per chunk: it needs nothing a chunk brings, and one [T, M] GEMM chain is cheaper than r smaller
+ones; a single task already fills the compute thread's first wait, with the rest of the
+dispatches still queued behind it on the link. Its output is added to the combined output.
+A graph has it only when built with `shared=True`.
+
 Task kinds, phases, directions and partitions are str/int-valued enums: `Kind.C == "C"`,
 `Phase.DISPATCH == 1`, `Direction.FORWARD == "forward"`, so the text form and plain literals
 still compare equal.
@@ -41,6 +49,7 @@ from ..routing.layout import Partition
 
 __all__ = [
     "COMPUTE",
+    "SHARED",
     "Direction",
     "Kind",
     "Partition",
@@ -56,13 +65,15 @@ COMPUTE = "compute"
 
 
 class Kind(str, enum.Enum):
-    """What a task does: C compress, A all-to-all, D decompress, E expert; at stack level AT
-    pre-MoE compute of a block (attention ...), PO post-MoE compute, AR a gradient all-reduce."""
+    """What a task does: C compress, A all-to-all, D decompress, E expert, S shared experts; at
+    stack level AT pre-MoE compute of a block (attention ...), PO post-MoE compute, AR a
+    gradient all-reduce."""
 
     C = "C"
     A = "A"
     D = "D"
     E = "E"
+    S = "S"
     AT = "AT"
     PO = "PO"
     AR = "AR"
@@ -96,8 +107,8 @@ def _enum(cls, value, what: str):
 
 _TRANSFERS = (Kind.A, Kind.AR)  # the kinds that run on a link
 _EXCHANGE = (Kind.C, Kind.A, Kind.D)  # the kinds with a phase 1 or 2
-_WHOLE = (Kind.AT, Kind.PO)  # one per block and micro-chunk: no chunk index
-_TEXT = re.compile(r"^(?:b(\d+)\.m(\d+)\.)?(AT|PO|AR|[CADE])(\d*)(?:\.(\d+))?(?:@(.+))?$")
+_WHOLE = (Kind.AT, Kind.PO, Kind.S)  # one per block and micro-chunk: no chunk index
+_TEXT = re.compile(r"^(?:b(\d+)\.m(\d+)\.)?(AT|PO|AR|[CADES])(\d*)(?:\.(\d+))?(?:@(.+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -167,10 +178,12 @@ class Task:
             )
         except ValueError:
             raise ValueError(
-                f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter', "
+                f"cannot parse task {text!r}; expected e.g. 'C1.0', 'E.2', 'A2.1@inter', 'S', "
                 "'b1.m0.AT', 'AR.3'"
             ) from None
 
+
+SHARED = Task(Kind.S, Phase.EXPERT, 0)  # the shared experts' task of a layer call
 
 _CHAIN = ((Kind.C, 1), (Kind.A, 1), (Kind.D, 1), (Kind.E, 0), (Kind.C, 2), (Kind.A, 2), (Kind.D, 2))
 
@@ -207,12 +220,14 @@ class TaskGraph:
         direction: Direction (same graph both ways; the executor maps tasks differently).
         partition: how chunks cut the work: Partition.CAPACITY (token rows of every expert) or
             Partition.PEERS (groups of destination ranks, FasterMoE's smart schedule).
+        shared: the layer has shared experts: one more task, S, depending on nothing.
     """
 
     chunks: int
     links: tuple[str, ...] = ("net",)
     direction: Direction = Direction.FORWARD
     partition: Partition = Partition.CAPACITY
+    shared: bool = False
     deps: dict[Task, tuple[Task, ...]] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -226,6 +241,8 @@ class TaskGraph:
         deps: dict[Task, tuple[Task, ...]] = {}
         for i in range(self.chunks):
             chunk_deps(deps, i, self.links)
+        if self.shared:
+            deps[SHARED] = ()
         object.__setattr__(self, "deps", deps)
 
     @property

@@ -79,6 +79,8 @@ class StackCall:
         if len(links) != 1:
             raise ValueError(f"every stage's all-to-all must use the same links, got {links}")
         self.links = links.pop()
+        if any(s.moe.config.shared is not None for s in stages):  # no S task in a stack graph yet
+            raise ValueError("a scheduled stack (micro_chunks > 1) cannot run shared experts yet")
         self.background = next((s.moe.background for s in stages if s.moe.background), None)
         # Parameters: AT differentiates pre + the layer's dense weights (gate), E the experts,
         # PO the post. One flat list (deduplicated) for the autograd Function.

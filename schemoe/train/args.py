@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--activation", choices=("relu", "gelu", "swiglu"), help="expert FFN activation")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
     m("--experts-impl", choices=EXPERT_IMPLS, help="grouped: one grouped GEMM per projection; loop")
+    m("--shared-experts", type=int,
+      help="always-on experts of hidden dim H per MoE layer, a task scheduled under the "
+      "dispatch all-to-alls (0: none)")  # fmt: skip
     m("--ranks-per-node", type=int,
       help="ranks per node for hierarchical algorithms (default: the launcher's, else all)")  # fmt: skip
     # Every rank routes batch x seq_len tokens at every call (eval too: equal window shares), so

@@ -73,7 +73,7 @@ INT_MIN = (("nproc", 1), ("steps", 1), ("batch", 1), ("grad_accum", 1), ("seq_le
            ("model_dim", 1), ("hidden_dim", 1), ("top_k", 1), ("chunks", 1), ("trials", 0),
            ("shortlist", 1), ("ranks_per_node", 1), ("save_every", 0), ("eval_every", 0),
            ("eval_seqs", 0), ("warmup", 0), ("stop_after", 0), ("log_every", 1), ("threads", 1),
-           ("corpus_bytes", 10_000))  # fmt: skip
+           ("corpus_bytes", 10_000), ("shared_experts", 0))  # fmt: skip
 FLOAT_RANGE = (
     ("lr", 0.0, math.inf, True),
     ("min_lr_ratio", 0.0, 1.0, False),
@@ -155,6 +155,7 @@ class TrainConfig:
     activation: str = "gelu"
     expert_bias: bool = False
     experts_impl: str = "grouped"
+    shared_experts: int = 0  # always-on experts of hidden dim hidden_dim (MoEConfig.shared)
     ranks_per_node: int | None = None
     uniform_tokens: bool = True
     policy: str = "schemoe"
@@ -255,6 +256,8 @@ class TrainConfig:
                 raise ValueError(f"--batch {self.batch} must be divisible by --micro-chunks {m}")
         if (m == "auto" or m > 1) and self.policy in ("auto", "search"):
             raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
+        if (m == "auto" or m > 1) and self.shared_experts:  # the stack has no S task yet
+            raise ValueError(f"--micro-chunks {m} cannot run --shared-experts yet; use 1")
         for n, lo, hi, strict in FLOAT_RANGE:
             v = getattr(self, n)
             if not (math.isfinite(v) and (v > lo if strict else v >= lo) and v <= hi):
@@ -290,7 +293,9 @@ class TrainConfig:
                 sections[section] = cls(**kwargs)
             except (ValueError, TypeError) as e:
                 raise spelled_with_flags(e, names, section) from None
-        return layer_config.MoEConfig(**sections)
+        n = self.shared_experts
+        shared = layer_config.SharedExpertConfig(num=n, hidden_dim=self.hidden_dim) if n else None
+        return layer_config.MoEConfig(**sections, shared=shared)
 
     def _compression(self) -> layer_config.CompressionConfig:
         """The compression section, after checking its options (every one names a compressor

@@ -48,7 +48,7 @@ log = logging.getLogger("schemoe.costmodel")
 
 BUDGETS = ("lossless", "fp16", "lossy")
 BASE_POLICIES = ("sequential", "tutel", "fastermoe", "schemoe")
-_DECISIONS: dict[tuple, MoEConfig] = {}
+_DECISIONS: dict[tuple, list[Prediction]] = {}
 
 
 def _compressors(hw: Hardware, shape: LayerShape, budget: str) -> list[str]:
@@ -222,5 +222,7 @@ def choose_shortlist(
             seq.step_s * 1e3,
             len(preds),
         )
-        _DECISIONS[key] = [_as_config(moe_config, p) for p in picks]
-    return list(_DECISIONS[key])
+        _DECISIONS[key] = picks
+    # Built per call: the cached picks go on this layer's own config (two layers of one shape may
+    # differ in what the shape leaves out, e.g. the shared experts' placement, the router noise).
+    return [_as_config(moe_config, p) for p in _DECISIONS[key]]
