@@ -20,6 +20,7 @@ the gradient of the mean loss over all W ranks, exactly as DDP's dense gradients
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..dist.devices import comm_device, control_zeros
@@ -187,8 +187,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep: ExpertParallel | Any 
     expert_sq = sq(experts)
     if distributed and dist.get_world_size(group) > 1:
         dist.all_reduce(expert_sq, group=group)
-    dense_sq = sq([g for g in dense if not isinstance(g, DTensor)])
-    for mesh, shards in _by_mesh([g for g in dense if isinstance(g, DTensor)]):
+    dense_sq = sq([g for g in dense if not _is_dtensor(g)])
+    for mesh, shards in _by_mesh([g for g in dense if _is_dtensor(g)]):
         # Each rank holds a disjoint shard (FSDP2: Shard(0)): the sum over the mesh counts
         # every element once.
         part = sq(shards, mesh.get_group())
@@ -201,7 +201,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep: ExpertParallel | Any 
     return norm
 
 
-def _by_mesh(grads: list[DTensor]) -> list[tuple[Any, list[torch.Tensor]]]:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (FSDP2's sharded gradient), without importing
+    torch.distributed.tensor here (seconds at `import schemoe`): a DTensor exists only once
+    that module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor]]]:
     """Sharded gradients' local shards, grouped by their 1-D mesh (in first-seen order)."""
     out: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for g in grads:

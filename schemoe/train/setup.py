@@ -15,7 +15,6 @@ from ..checkpoint import store as checkpoint
 from ..costmodel.step import StepShape
 from ..dist.devices import local_device
 from ..dist.topology import Topology, launcher_local_rank
-from ..layer.fsdp import dense_mesh, fully_shard_dense
 from ..layer.moe import MoELayer
 from ..layer.parallel import ExpertParallel, ddp_ignore_experts, init_expert_parallel
 from ..step.gradsync import data_parallel
@@ -127,6 +126,10 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
     model = core
     if world > 1 and cfg.fsdp:  # dense weights sharded over every rank, experts left to EP
+        # Imported here, not at the top: torch.distributed.fsdp costs ~0.7 s of CPU at import,
+        # which only --fsdp runs should pay (every `schemoe` command imports this module).
+        from ..layer.fsdp import dense_mesh, fully_shard_dense
+
         model = fully_shard_dense(core, units=core.blocks, mesh=dense_mesh(dev))
     elif world > 1:  # buffers (the expert bias) have their own all-reduce: broadcast_buffers off
         model, _ = data_parallel(
