@@ -20,6 +20,7 @@ the gradient of the mean loss over all W ranks, exactly as DDP's dense gradients
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,8 +165,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep: ExpertParallel | Any 
 
     norm = sqrt(|dense|^2 + all_reduce_sum over the EP group(|local experts|^2)): dense
     gradients are identical on every rank after DDP's all-reduce, and expert gradients on every
-    replica of an EP group after `average_expert_gradients`, so each counts once. max_norm <= 0
-    only measures. Collective over the expert-parallel group: `ep` is an ExpertParallel, a
+    replica of an EP group after `average_expert_gradients`, so each counts once. Dense
+    gradients sharded by FSDP2 (DTensors, see schemoe.layer.fsdp) count their local shards'
+    squares, all-reduced over their mesh. max_norm <= 0 only measures. Collective over the
+    expert-parallel group (and the dense mesh when sharded): `ep` is an ExpertParallel, a
     process group (the EP group), or None (the model's MoE layers' group). HOST SYNC (the norm).
     """
     group = ep.ep_group if isinstance(ep, ExpertParallel) else ep
@@ -177,15 +180,40 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep: ExpertParallel | Any 
     distributed = dist.is_available() and dist.is_initialized()
     dev = comm_device(group)  # CPU without torch.distributed
 
-    def sq(gs: list[torch.Tensor]) -> torch.Tensor:
-        zero = control_zeros((), dtype=torch.float32, group=group)
-        return sum((g.detach().float().pow(2).sum().to(dev) for g in gs), zero)
+    def sq(gs: list[torch.Tensor], on: Any = group) -> torch.Tensor:
+        zero = control_zeros((), dtype=torch.float32, group=on)
+        return sum((g.detach().float().pow(2).sum().to(comm_device(on)) for g in gs), zero)
 
     expert_sq = sq(experts)
     if distributed and dist.get_world_size(group) > 1:
         dist.all_reduce(expert_sq, group=group)
-    norm = float((sq(dense) + expert_sq).sqrt())  # host sync
+    dense_sq = sq([g for g in dense if not _is_dtensor(g)])
+    for mesh, shards in _by_mesh([g for g in dense if _is_dtensor(g)]):
+        # Each rank holds a disjoint shard (FSDP2: Shard(0)): the sum over the mesh counts
+        # every element once.
+        part = sq(shards, mesh.get_group())
+        dist.all_reduce(part, group=mesh.get_group())
+        dense_sq += part.to(dev)
+    norm = float((dense_sq + expert_sq).sqrt())  # host sync
     if max_norm > 0 and norm > max_norm:
         for g in dense + experts:
             g.mul_(max_norm / (norm + 1e-6))
     return norm
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (FSDP2's sharded gradient), without importing
+    torch.distributed.tensor here (seconds at `import schemoe`): a DTensor exists only once
+    that module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor]]]:
+    """Sharded gradients' local shards, grouped by their 1-D mesh (in first-seen order)."""
+    out: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for g in grads:
+        mesh = g.device_mesh
+        assert mesh.ndim == 1 and all(p.is_shard() for p in g.placements), g.placements
+        out.setdefault(id(mesh), (mesh, []))[1].append(g.to_local())
+    return list(out.values())

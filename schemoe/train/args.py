@@ -143,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s("--bucket-mb", type=float,
       help="DDP bucket size in MiB (default 25 with ddp, 1 with scheduled)")  # fmt: skip
+    s("--fsdp", action="store_true",
+      help="shard dense weights with FSDP2 (fully_shard) over all ranks instead of DDP; experts "
+      "stay expert-parallel")  # fmt: skip
     r = _defaulted(p.add_argument_group("checkpoints, output, failures").add_argument)
     r("--save", metavar="DIR",
       help="checkpoint folder, written at the end (default with --resume: its folder)")  # fmt: skip

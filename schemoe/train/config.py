@@ -83,6 +83,11 @@ FLOAT_RANGE = (
 )  # fmt: skip  (beyond ~30 years timedelta overflows)
 CHOICES = {"device": DEVICES, "dtype": DTYPES, "grad_sync": SYNCS,
            "grad_compressor": tuple(sorted(COMPRESS)), "grad_algorithm": tuple(GRAD_SYNCS.names())}  # fmt: skip
+# What --fsdp needs of other settings (what it cannot do yet): FSDP reduces the dense gradients
+# itself (no DDP bucket, hook or scheduled sync), the micro-chunk stack calls blocks' parts
+# outside their FSDP hooks, and checkpoints do not write DTensors yet.
+FSDP_NEEDS = {"grad_sync": "ddp", "grad_compressor": "none", "bucket_mb": None, "micro_chunks": 1,
+              "save": None, "resume": None, "export": None}  # fmt: skip
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
 
@@ -182,6 +187,7 @@ class TrainConfig:
     grad_compressor: str = "none"
     grad_algorithm: str = "flat"
     bucket_mb: float | None = None
+    fsdp: bool = False
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
@@ -229,6 +235,9 @@ class TrainConfig:
             )
         if self.grad_sync == "ddp" and self.grad_algorithm != "flat":
             raise ValueError(f"--grad-algorithm {self.grad_algorithm} needs --grad-sync scheduled")
+        if self.fsdp and (bad := [f"{flag(n)} {getattr(self, n)}" for n, ok in FSDP_NEEDS.items()
+                                  if getattr(self, n) != ok]):  # fmt: skip
+            raise ValueError(f"--fsdp does not support {', '.join(bad)} yet: drop them or --fsdp")
 
     def _check_types(self) -> None:
         for f in fields(self):

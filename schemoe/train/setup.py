@@ -1,5 +1,7 @@
 """The set-up of one rank's `schemoe train` run: device, expert-parallel groups, --micro-chunks
-auto, the corpus, the model and its data-parallel wrapper, the optimizer, and --resume's state.
+auto, the corpus, the model and its data-parallel wrapper (DDP, or with --fsdp FSDP2's
+`fully_shard` of the dense weights, one unit per block), the optimizer (built after the wrapper:
+FSDP replaces the dense parameters), and --resume's state.
 The Run it returns is what the loop (loop.py) advances."""
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class Run:
 
 def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     """Device, groups, --micro-chunks auto, the corpus, the model (seeded: the same dense init on
-    every rank, experts seeded per expert), its data-parallel wrapper and the optimizer."""
+    every rank, experts seeded per expert), its data-parallel wrapper (DDP, or --fsdp: the
+    model itself, sharded in place, so `model is core`) and the optimizer."""
     dev = local_device(cfg.device, launcher_local_rank(rank))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -122,7 +125,13 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     core = GPT(gpt, cfg.moe_config(world), group=ep.ep_group, seed=cfg.seed).to(dev)
     torch.manual_seed(cfg.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
     model = core
-    if world > 1:  # buffers (the expert bias) have their own all-reduce: broadcast_buffers off
+    if world > 1 and cfg.fsdp:  # dense weights sharded over every rank, experts left to EP
+        # Imported here, not at the top: torch.distributed.fsdp costs ~0.7 s of CPU at import,
+        # which only --fsdp runs should pay (every `schemoe` command imports this module).
+        from ..layer.fsdp import dense_mesh, fully_shard_dense
+
+        model = fully_shard_dense(core, units=core.blocks, mesh=dense_mesh(dev))
+    elif world > 1:  # buffers (the expert bias) have their own all-reduce: broadcast_buffers off
         model, _ = data_parallel(
             ddp_ignore_experts(core),
             sync=cfg.grad_sync,
