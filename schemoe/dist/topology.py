@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["Topology", "launcher_local_rank", "per_world", "register_family", "release"]
+__all__ = [
+    "Topology",
+    "launcher_local_rank",
+    "layer_topology",
+    "per_world",
+    "register_family",
+    "release",
+]
 
 # Objects tied to the process groups of one initialisation of torch.distributed (sub-groups,
 # all-to-all algorithms that own sub-groups and comm threads). Keys hold the groups themselves
@@ -219,3 +226,30 @@ def _group_timeout(group: Any) -> datetime.timedelta | None:
     except (AttributeError, RuntimeError, ValueError, TypeError):
         return None
     return t if isinstance(t, datetime.timedelta) else None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def layer_topology(group: Any, ranks_per_node: int | None) -> Topology:
+    """An MoE layer's expert-parallel topology over `group` (None: the default group, or one
+    process when torch.distributed is not initialised); refuses the two ways a launched job silently runs
+    one full copy of every expert per rank."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
+    if _distributed():
+        return Topology.from_group(group, ranks_per_node)
+    if group is not None:
+        raise ValueError("a group was given but torch.distributed is not initialised")
+    launched = os.environ.get("WORLD_SIZE", "1")  # read to detect a mistake, never to configure
+    if launched.isdigit() and int(launched) > 1:
+        raise RuntimeError(
+            f"this process was launched as one of WORLD_SIZE={launched} ranks, but "
+            "torch.distributed is not initialised: the layer would run every expert on every "
+            "rank, unshared. Call torch.distributed.init_process_group (or "
+            "schemoe.init_expert_parallel) before building MoE layers"
+        )
+    return Topology(world=1, rank=0, ranks_per_node=1)

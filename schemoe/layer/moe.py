@@ -14,7 +14,6 @@ cost model.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import collectives, compression
 from ..config import MoEConfig
-from ..dist.topology import Topology
+from ..dist.topology import layer_topology
 from ..experts.ffn import BatchedFFN, ModuleExperts
 from ..routing import LoadMetrics, load_balancing_loss, route, router_z_loss, tally
 from ..routing.losses import update_balance_bias
@@ -40,32 +39,6 @@ __all__ = ["NEEDS_TUNER", "MoELayer"]
 # Policies a layer cannot run from its config alone: "auto" (which configuration) and "search"
 # (needs a cost model). A tuner (schemoe.tuning.auto.AutoTuner) configures such layers.
 NEEDS_TUNER = ("auto", "search")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _topology(group, ranks_per_node: int | None) -> Topology:
-    """The layer's expert-parallel topology; refuses the two ways a launched job silently runs
-    one full copy of every expert per rank."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-        )
-    if _distributed():
-        return Topology.from_group(group, ranks_per_node)
-    if group is not None:
-        raise ValueError("a group was given but torch.distributed is not initialised")
-    launched = os.environ.get("WORLD_SIZE", "1")  # read to detect a mistake, never to configure
-    if launched.isdigit() and int(launched) > 1:
-        raise RuntimeError(
-            f"this process was launched as one of WORLD_SIZE={launched} ranks, but "
-            "torch.distributed is not initialised: the layer would run every expert on every "
-            "rank, unshared. Call torch.distributed.init_process_group (or "
-            "schemoe.init_expert_parallel) before building MoE layers"
-        )
-    return Topology(world=1, rank=0, ranks_per_node=1)
 
 
 def _record_expert_slice(module: MoELayer, state_dict, prefix, local_metadata) -> None:
@@ -101,7 +74,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
         E, M = config.gate.num_experts, config.experts.model_dim
-        self.topology = _topology(group, config.parallel.ranks_per_node)
+        self.topology = layer_topology(group, config.parallel.ranks_per_node)
         P, rank = self.topology.world, self.topology.rank
         if E % P:
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {P}")
