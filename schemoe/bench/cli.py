@@ -71,30 +71,13 @@ class BenchEnv:
         return "none shaped; intra and inter-node pairs both on loopback"
 
 
-_LAUNCH_CHECKS = {
-    "--nproc": Check(1),
-    "--ranks-per-node": Check(1),
-    "--timeout": Check(0, 1e9, strict=True),  # beyond ~30 years timedelta overflows
-}
-# The flags of bench/step.py whose range its validate() does not check (its own module, which
-# may move this table next to them; --chunks, --grad-windows, --micro-chunks are checked there).
+# The flags of bench/step.py whose range its validate() does not check, beyond the ones every
+# command shares (cliargs.FLAG_CHECKS: --nproc, --timeout, --model-dim, --experts, ...).
 _STEP_CHECKS = {
     "--policies": Check(),
     "--grad-syncs": Check(),
     "--grad-compressors": Check(),
-    "--bucket-mb": Check(0, strict=True),
-    "--model-dim": Check(1),
-    "--hidden-dim": Check(1),
-    "--experts": Check(1),
-    "--top-k": Check(1),
-    "--capacity-factor": Check(0),
-    "--layers": Check(1),
-    "--heads": Check(1),
-    "--moe-every": Check(1),
     "--seq-len": Check(1),
-    "--batch": Check(1),
-    "--warmup": Check(0),
-    "--repeats": Check(1),
 }
 _CHECKS = {"a2a": a2a.CHECKS, "layer": layer.CHECKS, "step": _STEP_CHECKS}
 
@@ -216,7 +199,7 @@ def register(subparsers) -> None:
         sp = sub.add_parser(name, help=mod.__doc__.splitlines()[0])
         _add_launch_arguments(sp)
         mod.add_arguments(sp)
-        sp.add_checks(_LAUNCH_CHECKS | _CHECKS[name])
+        sp.add_checks(_CHECKS[name])  # and cliargs.FLAG_CHECKS
         sp.set_defaults(func=guard("schemoe bench", partial(_main, name)))
     cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
     compress.add_arguments(cp)

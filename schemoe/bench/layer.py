@@ -55,21 +55,9 @@ __all__ = ["CHECKS", "add_arguments", "bench", "check_world", "validate"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# Each flag's range, checked right after parsing (cliargs.Parser.add_checks).
-CHECKS = {
-    "--policies": Check(),
-    "--algorithms": Check(),
-    "--compressors": Check(),
-    "--chunks": Check(1),
-    "--tokens": Check(1),
-    "--model-dim": Check(1),
-    "--hidden-dim": Check(1),
-    "--experts": Check(1),
-    "--top-k": Check(1),
-    "--capacity-factor": Check(0),
-    "--warmup": Check(0),
-    "--repeats": Check(1),
-}
+# Each flag's range, checked right after parsing (cliargs.Parser.add_checks), beyond the ones
+# every command shares (cliargs.FLAG_CHECKS: --chunks, --tokens, --model-dim, --experts, ...).
+CHECKS = {"--policies": Check(), "--algorithms": Check(), "--compressors": Check()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

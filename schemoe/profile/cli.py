@@ -50,25 +50,12 @@ __all__ = ["register"]
 POLICY_ROWS = ("sequential", "tutel", "fastermoe", "schemoe", "search")
 
 # Each flag's range, checked right after parsing (cliargs.Parser.add_checks); one table for
-# `profile` and `simulate` (and simstep's flags), each taking the flags it has.
+# `profile` and `simulate` (and simstep's flags), each taking the flags it has, beyond the ones
+# every command shares (cliargs.FLAG_CHECKS: --nproc, --timeout, --model-dim, --experts, ...).
 CHECKS = {
-    "--nproc": Check(1),
-    "--ranks-per-node": Check(1),
     "--nodes": Check(1),
-    "--model-dim": Check(1),
-    "--hidden-dim": Check(1),
-    "--tokens": Check(1),
-    "--experts": Check(1),
-    "--top-k": Check(1),
-    "--capacity-factor": Check(0),
-    "--timeout": Check(0, 1e9, strict=True),
-    "--layers": Check(1),
     "--seq-len": Check(0),  # 0: no attention (simulate); --step needs >= 1 (simstep)
     "--max-chunks": Check(1),
-    "--batch": Check(1),
-    "--heads": Check(1),
-    "--moe-every": Check(1),
-    "--bucket-mb": Check(0, strict=True),
     "--micro-chunks": Check(1),
     "--grad-syncs": Check(),
     "--grad-compressors": Check(),
