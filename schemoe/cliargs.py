@@ -104,7 +104,7 @@ FLAG_CHECKS: dict[str, Check] = {
     "--hidden-dim": Check(1),
     "--experts": Check(1),
     "--top-k": Check(1),
-    "--capacity-factor": Check(0),
+    "--capacity-factor": Check(0, why="0 for dropless"),
     "--chunks": Check(1),
     "--tokens": Check(1),
     "--layers": Check(1),
@@ -131,10 +131,11 @@ def flag_problem(flag: str, v: object, check: Check | None = None) -> str | None
 
 
 def _typed(v: object) -> str:
-    """A value as the command line spells it: lists comma-joined, '' for nothing."""
+    """A value as the command line spells it: lists comma-joined, '' for nothing, floats as %g
+    (0, not 0.0)."""
     if isinstance(v, list | tuple):
-        return ",".join(str(x) for x in v) or "''"
-    return str(v)
+        return ",".join(_typed(x) for x in v) or "''"
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
