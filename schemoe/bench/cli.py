@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..cliargs import Check, Parser, guard
+from ..config import GateConfig
 from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
+from ..train.checks import TRAIN_BYTES_PER_PARAM, check_chunk_rows, fits_in_memory, moe_layer_params
 from . import a2a, compress, layer, output, regen, step
 
 __all__ = ["BenchEnv", "register"]
@@ -151,8 +153,37 @@ def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int)
             raise ValueError(f"--experts {experts} must be divisible by the {world} ranks")
         if args.top_k > experts:
             raise ValueError(f"--top-k {args.top_k} must be <= the {experts} experts (--experts)")
+        _check_size(name, args, experts, world)
     if name == "layer":
         layer.check_world(args, env, world)
+
+
+def _check_size(name: str, args: argparse.Namespace, experts: int, world: int) -> None:
+    """The checks `schemoe train` makes of the same flags (train/checks.py): the weights and
+    gradients of `world` ranks fit in this machine's memory (bench layer's compute part builds
+    all E experts on every rank; bench step's model is the trainer's, with AdamW), and no --chunks
+    entry cuts a layer call into more chunks than it has rows."""
+    per_layer = moe_layer_params(
+        args.model_dim, args.hidden_dim, experts, 1 if name == "layer" else world
+    )
+    sized = f"--experts {experts}, --model-dim {args.model_dim}, --hidden-dim {args.hidden_dim}"
+    if name == "layer":
+        params, each, held = per_layer, 8, "fp32 weights and gradients"
+        tokens, t_flags = args.tokens, f"--tokens {args.tokens}"
+    else:  # the fewest tokens a layer call routes: the batch cut into the most micro-chunks
+        params, each = per_layer * (args.layers // args.moe_every), TRAIN_BYTES_PER_PARAM
+        held = "fp32 weights, gradients and AdamW's two moments"
+        sized += f", --layers {args.layers}"
+        m = max(args.micro_chunks)
+        tokens = args.batch * args.seq_len // m
+        t_flags = f"--batch {args.batch} x --seq-len {args.seq_len}" + (
+            f" / --micro-chunks {m}" if m > 1 else ""
+        )
+    fits_in_memory(params, each, world, sized, held=held, device=getattr(args, "device", "cpu"))
+    gate = GateConfig(num_experts=experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
+    for policy in args.policies:
+        for r in args.chunks:
+            check_chunk_rows(r, policy, gate, tokens, world, t_flags)
 
 
 def _main(name: str, args: argparse.Namespace) -> int:

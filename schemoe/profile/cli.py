@@ -41,6 +41,7 @@ from ..dist.links import Links
 from ..dist.topology import Topology, launcher_local_rank
 from ..testbed.units import parse_rate
 from ..trace import gantt
+from ..train.checks import fits_in_memory, moe_layer_params
 from ..tuning import measure
 from ..tuning.choose import explore
 from . import simctmoe, simstep, validate
@@ -118,6 +119,15 @@ def _check_profile(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--ranks-per-node {args.ranks_per_node} must divide the {world} ranks")
     if args.experts is not None and args.experts % world:
         raise ValueError(f"--experts {args.experts} must be divisible by the {world} ranks")
+    experts = args.experts or 2 * world
+    fits_in_memory(  # two experts per rank are timed; the layers measured hold E / world each
+        moe_layer_params(args.model_dim, args.hidden, experts, world),
+        8,
+        world,
+        f"--experts {experts}, --model-dim {args.model_dim}, --hidden-dim {args.hidden}",
+        held="fp32 weights and gradients",
+        device=args.device,
+    )
     if args.path and os.path.isdir(args.path):
         raise ValueError(f"--path {args.path!r} is a folder; give the profile store's file name")
 

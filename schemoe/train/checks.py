@@ -139,7 +139,7 @@ def check_chunk_rows(
     if POLICIES.get(policy).partition == Partition.PEERS:
         if chunks > ranks:
             raise ValueError(
-                f"--chunks {chunks} is more than the {ranks} expert-parallel ranks that --policy "
+                f"--chunks {chunks} is more than the {ranks} expert-parallel ranks that policy "
                 f"{policy} splits into chunks; use --chunks <= {ranks}"
             )
         return
