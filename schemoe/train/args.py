@@ -97,8 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "the stack's cost model chooses m before the model is built")  # fmt: skip
     m("--budget", choices=("lossless", "fp16", "lossy"), default=D["budget"],
       help="auto: the compressors it may choose")  # fmt: skip
-    m("--trials", type=int, default=D["trials"], help="auto: timed calls per shortlisted candidate")
-    m("--shortlist", type=int, default=D["shortlist"], help="auto: candidates the model shortlists")
+    m("--trials", type=int, default=D["trials"],
+      help="auto: timed calls per shortlisted candidate; 0: no timing, the cost model's first "
+      "choice runs (--shortlist is then unused)")  # fmt: skip
+    m("--shortlist", type=int, default=D["shortlist"],
+      help="auto: candidates the model shortlists for timing (>= 1; see --trials 0)")  # fmt: skip
     m(
         "--algorithm",
         default=D["algorithm"],
