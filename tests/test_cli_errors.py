@@ -71,6 +71,7 @@ CASES = {
         "--warmup",
         "1000",
     ),
+    "train infinite z-loss weight": (["train", "--z-loss-weight", "inf"], "--z-loss-weight", "inf"),
     "train negative trials": (["train", "--policy", "auto", "--trials", "-1"], "--trials", "-1"),
     "train empty shortlist": (
         ["train", "--policy", "auto", "--shortlist", "0"],

@@ -15,6 +15,7 @@ too, so the same flags are refused alike everywhere.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import uuid
 from pathlib import Path
@@ -57,10 +58,14 @@ def _flag(name: str) -> str:
 def check_settings(cfg) -> None:
     """What a TrainConfig's values say together, before anything depends on the machine: each
     flag in cliargs.FLAG_CHECKS in its range (--seed, --timeout, ... as the benches check them),
-    and a warm-up that ends before the run does."""
+    no setting infinite (--z-loss-weight inf would make every loss inf), and a warm-up that ends
+    before the run does."""
     for f in dataclasses.fields(cfg):
-        if line := flag_problem(_flag(f.name), getattr(cfg, f.name)):
+        v = getattr(cfg, f.name)
+        if line := flag_problem(_flag(f.name), v):
             raise ValueError(line)
+        if isinstance(v, float) and math.isinf(v):  # NaN: each setting's own range refuses it
+            raise ValueError(f"{_flag(f.name)} must be finite, got {v:g}")
     w, steps = cfg.warmup, cfg.steps
     if w is not None and w > 0 and w >= steps:
         raise ValueError(
