@@ -333,86 +333,54 @@ def _no_tmp(d: Path, out: str, err: str) -> tuple[str, str] | None:
     return ("unclear", f"left {left} on the full disk") if left else None
 
 
+def _run(name: str, kind: str, argv: list[str], names: Names = (), **kw) -> Probe:
+    """A whole run: its answer may follow step lines (not one line), checked after by `after`."""
+    kw = {"one_line": False, "timeout": 150, "after": _resumes, **kw}
+    return Probe(name, kind, argv=["train", *argv], names=names, **kw)
+
+
+def _signal(name: str, target: str, sig: str, names: Names = (), **kw) -> Probe:
+    """Signal `target` (the launcher, or rank 1) of a long 2-rank run after its second step."""
+    argv = [*T2[:-2], "--steps", "100000", "--log-every", "1", "--save", "{d}/ck",
+            "--save-every", "1"]  # fmt: skip
+    return _run(name, "signal", argv, names, action={"target": target, "signal": sig}, **kw)
+
+
 def run_probes() -> list[Probe]:
     """Whole runs: a success, divergence, a full disk, kills and signals."""
     save = ["--save", "{d}/ck", "--save-every", "1"]
-    long = [*T2[:-2], "--steps", "100000", "--log-every", "1", *save]
+    four = [*T[:-2], "--steps", "4", *save]
+    nonfinite = (("non-finite", "nan", "inf"),)
     return [
-        Probe("run tiny on two ranks", "run", "ok", argv=["train", *T2], timeout=150),
-        Probe(
+        _run("run tiny on two ranks", "run", T2, expect="ok", after=None),
+        _run(
             "run --policy auto --trials 0",
             "run",
-            "ok",
-            argv=["train", *T, "--policy", "auto", "--trials", "0"],
-            timeout=150,
+            [*T, "--policy", "auto", "--trials", "0"],
+            expect="ok",
+            after=None,
         ),
-        Probe(
-            "run --lr 1e6 diverges",
+        _run("run --lr 1e6 diverges", "run", [*four, "--lr", "1e6"], nonfinite),
+        _run(
+            "run --lr 1e30 --clip 0 diverges",
             "run",
-            argv=["train", *T[:-2], "--steps", "4", "--lr", "1e6", *save],
-            names=(("non-finite", "nan"),),
-            one_line=False,
-            timeout=150,
-            after=_resumes,
+            [*four, "--lr", "1e30", "--warmup", "1", "--clip", "0"],
+            nonfinite,
         ),
-        Probe(
-            "run --z-loss-weight 1e30 diverges",
-            "run",
-            argv=["train", *T[:-2], "--steps", "4", "--z-loss-weight", "1e30", *save],
-            names=(("non-finite", "nan", "inf"),),
-            one_line=False,
-            timeout=150,
-            after=_resumes,
-        ),
-        Probe(
+        _run(
             "disk full at save",
             "disk",
-            argv=["train", *T, "--save", "{d}/full/ck"],
-            names=(("no space", "ENOSPC"),),
-            one_line=False,
+            [*T, "--save", "{d}/full/ck"],
+            (("no space", "ENOSPC"),),
             needs=("root",),
-            timeout=150,
             after=_no_tmp,
         ),
-        Probe(
-            "kill -9 of rank 1",
-            "signal",
-            argv=["train", *long],
-            names=("rank 1", ("SIGKILL", "signal 9", "killed")),
-            one_line=False,
-            timeout=150,
-            action={"target": "rank", "signal": "SIGKILL"},
-            after=_resumes,
+        _signal(
+            "kill -9 of rank 1", "rank", "SIGKILL", ("rank 1", ("SIGKILL", "signal 9", "killed"))
         ),
-        Probe(
-            "SIGINT to the launcher",
-            "signal",
-            argv=["train", *long],
-            names=(("SIGINT", "interrupt"),),
-            one_line=False,
-            timeout=150,
-            action={"target": "launcher", "signal": "SIGINT"},
-            after=_resumes,
-        ),
-        Probe(
-            "SIGTERM to the launcher",
-            "signal",
-            argv=["train", *long],
-            names=(("SIGTERM", "terminat"),),
-            one_line=False,
-            timeout=150,
-            action={"target": "launcher", "signal": "SIGTERM"},
-            after=_resumes,
-        ),
-        Probe(
-            "SIGKILL to the launcher",
-            "signal",
-            argv=["train", *long],
-            expect="gone",
-            timeout=150,
-            action={"target": "launcher", "signal": "SIGKILL"},
-            after=_resumes,
-        ),
+        _signal("SIGINT to the launcher", "launcher", "SIGINT", (("SIGINT", "interrupt"),)),
+        _signal("SIGTERM to the launcher", "launcher", "SIGTERM", (("SIGTERM", "terminat"),)),
+        _signal("SIGKILL to the launcher", "launcher", "SIGKILL", expect="gone"),
     ]
 
 
