@@ -152,3 +152,36 @@ def test_every_shared_flag_check_has_a_bound_or_refuses_an_empty_list():
     for name, check in FLAG_CHECKS.items():
         assert name.startswith("--")
         assert check.problem(-(10**12)) or check.problem([]), name
+
+
+def _probes():
+    """scripts/probes.py, imported as the harness runs it (scripts/ on the path)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        return importlib.import_module("probes")
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize(
+    ("rc", "err", "timed_out", "verdict"),
+    [
+        (2, "schemoe train: error: --seed must be >= 0, got -1\n", False, "clear"),
+        (0, "", False, "silent"),
+        (None, "", True, "hang"),
+        (1, "Traceback (most recent call last):\n  ...\nValueError: --seed\n", False, "unclear"),
+        (2, "schemoe train: error: bad value\n", False, "unclear"),
+        (2, "schemoe train: error: --seed -1\nmore\n", False, "unclear"),
+    ],
+    ids=["one line naming it", "exit 0", "timeout", "traceback", "names nothing", "two lines"],
+)
+def test_the_probe_harness_classifies_an_answer_by_its_exit_its_lines_and_what_they_name(
+    rc, err, timed_out, verdict
+):
+    probes = _probes()
+    p = probes.Probe("seed", "input", argv=["train"], names=("--seed", "-1"))
+    assert probes.classify(p, rc, err, timed_out)[0] == verdict
