@@ -4,8 +4,10 @@ error guard that turns a command's expected failures into one error line, and th
 types.
 
 Every flag value is checked in the process that parsed it, before any rank starts or any process
-is spawned: a range per flag (`Check`, attached with `Parser.add_checks`), then what a command
-knows only from several flags (its own validate function, raising ValueError through `guard`).
+is spawned: a range per flag (`Check`, attached with `Parser.add_checks`: FLAG_CHECKS, the one
+table of the flags several commands share, then the command's own), then what a command knows
+only from several flags (its own validate function, raising ValueError through `guard`).
+`schemoe train` applies FLAG_CHECKS through TrainConfig (train/checks.py), in the same words.
 Either way the user reads one line, `schemoe bench layer: error: --model-dim must be >= 1, got 0`.
 """
 
