@@ -4,8 +4,10 @@ error guard that turns a command's expected failures into one error line, and th
 types.
 
 Every flag value is checked in the process that parsed it, before any rank starts or any process
-is spawned: a range per flag (`Check`, attached with `Parser.add_checks`), then what a command
-knows only from several flags (its own validate function, raising ValueError through `guard`).
+is spawned: a range per flag (`Check`, attached with `Parser.add_checks`: FLAG_CHECKS, the one
+table of the flags several commands share, then the command's own), then what a command knows
+only from several flags (its own validate function, raising ValueError through `guard`).
+`schemoe train` applies FLAG_CHECKS through TrainConfig (train/checks.py), in the same words.
 Either way the user reads one line, `schemoe bench layer: error: --model-dim must be >= 1, got 0`.
 """
 
@@ -21,9 +23,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "FLAG_CHECKS",
     "Check",
     "HelpFormatter",
     "Parser",
+    "flag_problem",
     "for_flag",
     "guard",
     "int_list",
@@ -56,11 +60,13 @@ def int_list(text: str) -> list[int]:
 class Check:
     """What a flag's value may be: a number >= lo (> lo when strict) and <= hi, finite; a comma
     list (a list value) must name at least one value, each of them in range. Check() only
-    refuses an empty list; a value of None (an optional flag not given) is not checked."""
+    refuses an empty list; a value of None (an optional flag not given) is not checked. `why`,
+    when given, ends the message: what the bound protects or what to type instead."""
 
     lo: float = -math.inf
     hi: float = math.inf
     strict: bool = False
+    why: str = ""
 
     def problem(self, v: object) -> str | None:
         """None when `v` fits, else what it must be ("must be >= 1")."""
@@ -71,20 +77,68 @@ class Check:
             return next((f"{p} (each)" for p in bad if p), None)
         if isinstance(v, bool) or not isinstance(v, int | float):
             return None
+        finite = isinstance(v, int) or math.isfinite(v)  # an int past float's range is finite
         above = v > self.lo if self.strict else v >= self.lo
-        if math.isfinite(v) and above and v <= self.hi:
+        if finite and above and v <= self.hi:
             return None
-        want = [f"{'>' if self.strict else '>='} {self.lo:g}"] if math.isfinite(self.lo) else []
-        want += [f"<= {self.hi:g}"] if math.isfinite(self.hi) else []
+        want = [f"{'>' if self.strict else '>='} {_num(self.lo)}"] if math.isfinite(self.lo) else []
+        want += [f"<= {_num(self.hi)}"] if math.isfinite(self.hi) else []
         want += ["finite"] if isinstance(v, float) else []
-        return f"must be {' and '.join(want)}"
+        return f"must be {' and '.join(want)}" + (f" ({self.why})" if self.why else "")
+
+
+def _num(bound: float) -> str:
+    """A bound as written in its Check: an int in full (4294967295), a float as %g (1e+09)."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+# The range of every flag that means the same in each command having it (`schemoe train`, the
+# benches, `profile`, `simulate`): one table, so a value refused by one is refused by all, in the
+# same words. The parsers attach it (`Parser.add_checks`); TrainConfig applies it to its fields
+# (train/checks.py). A command's own tables add the flags only it has.
+FLAG_CHECKS: dict[str, Check] = {
+    "--nproc": Check(1),
+    "--ranks-per-node": Check(1),
+    "--threads": Check(1),
+    "--timeout": Check(
+        1, 1e9, why="seconds: below 1 a rank gives up while the others start"),
+    "--seed": Check(0, 2**32 - 1),
+    "--model-dim": Check(1),
+    "--hidden-dim": Check(1),
+    "--experts": Check(1),
+    "--top-k": Check(1),
+    "--capacity-factor": Check(0, why="0 for dropless"),
+    "--chunks": Check(1),
+    "--tokens": Check(1),
+    "--layers": Check(1),
+    "--heads": Check(1),
+    "--moe-every": Check(1),
+    "--batch": Check(1),
+    "--warmup": Check(0),
+    "--repeats": Check(1),
+    "--bucket-mb": Check(0, strict=True),
+    "--trials": Check(0),
+    "--shortlist": Check(
+        1, why="the candidates --policy auto times; for the cost model's first choice, untimed, "
+        "use --trials 0"),
+}  # fmt: skip
+
+
+def flag_problem(flag: str, v: object, check: Check | None = None) -> str | None:
+    """The error line for `flag` given `v` ("--seed must be >= 0 and <= 4294967295, got -1"),
+    or None when `v` fits; the check is `check`, else FLAG_CHECKS's (none there: None)."""
+    check = check or FLAG_CHECKS.get(flag)
+    if check is None or v is None or not (problem := check.problem(v)):
+        return None
+    return f"{flag} {problem}, got {_typed(v)}"
 
 
 def _typed(v: object) -> str:
-    """A value as the command line spells it: lists comma-joined, '' for nothing."""
+    """A value as the command line spells it: lists comma-joined, '' for nothing, floats as %g
+    (0, not 0.0)."""
     if isinstance(v, list | tuple):
-        return ",".join(str(x) for x in v) or "''"
-    return str(v)
+        return ",".join(_typed(x) for x in v) or "''"
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -113,9 +167,10 @@ class Parser(argparse.ArgumentParser):
         self.checks: dict[str, tuple[str, Check]] = {}  # flag -> (dest, its check)
 
     def add_checks(self, checks: Mapping[str, Check]) -> None:
-        """Check each flag of `checks` (its spelling -> Check) this parser has, right after
-        parsing; a flag it lacks is skipped, so one table serves commands sharing spellings."""
-        for flag, check in checks.items():
+        """Check each flag of FLAG_CHECKS, then of `checks` (its spelling -> Check; it wins for a
+        flag in both) this parser has, right after parsing; a flag it lacks is skipped, so one
+        table serves commands sharing spellings."""
+        for flag, check in (FLAG_CHECKS | dict(checks)).items():
             if flag in self._option_string_actions:
                 self.checks[flag] = (self._option_string_actions[flag].dest, check)
 
@@ -131,9 +186,8 @@ class Parser(argparse.ArgumentParser):
         its default value counts)."""
         ns, rest = super().parse_known_args(args, namespace)
         for flag, (dest, check) in self.checks.items():
-            v = getattr(ns, dest, None)
-            if v is not None and (problem := check.problem(v)):
-                self.error(f"{flag} {problem}, got {_typed(v)}")
+            if line := flag_problem(flag, getattr(ns, dest, None), check):
+                self.error(line)
         if self.record_explicit:
             saved = {act: act.default for act in self._actions}
             try:

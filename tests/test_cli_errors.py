@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing
@@ -57,6 +58,63 @@ CASES = {
     "train no micro-batches": (["train", "--grad-accum", "0"], "--grad-accum", "0"),
     "train no threads": (["train", "--threads", "0"], "--threads", "0"),
     "train no ranks": (["train", "--nproc", "0"], "--nproc", "0"),
+    "train seed past 2**32": (
+        ["train", "--seed", "1180591620717411303424"],
+        "--seed",
+        "1180591620717411303424",
+    ),
+    "train negative seed": (["train", "--seed", "-1"], "--seed", "-1"),
+    "train timeout below a second": (["train", "--timeout", "1e-9"], "--timeout", "1e-09"),
+    "train threads past the cores": (["train", "--threads", "100000"], "--threads", "100000"),
+    "train warmup past the steps": (
+        ["train", "--warmup", "1000", "--steps", "3"],
+        "--warmup",
+        "1000",
+    ),
+    "train infinite z-loss weight": (["train", "--z-loss-weight", "inf"], "--z-loss-weight", "inf"),
+    "train negative trials": (["train", "--policy", "auto", "--trials", "-1"], "--trials", "-1"),
+    "train empty shortlist": (
+        ["train", "--policy", "auto", "--shortlist", "0"],
+        "--shortlist",
+        "0",
+    ),
+    "train corpus of 1200 bytes": (
+        ["train", "--corpus", "{tmp}/small.txt"],
+        "--corpus",
+        "{tmp}/small.txt",
+    ),
+    "train empty corpus": (["train", "--corpus", "{tmp}/empty.txt"], "--corpus", "{tmp}/empty.txt"),
+    "train corpus folder without text files": (
+        ["train", "--corpus", "{tmp}/nothing"],
+        "--corpus",
+        "{tmp}/nothing",
+    ),
+    "train binary corpus": (
+        ["train", "--corpus", "{tmp}/binary.bin"],
+        "--corpus",
+        "{tmp}/binary.bin",
+    ),
+    "train corpus file not utf-8": (
+        ["train", "--corpus", "{tmp}/latin1.txt"],
+        "--corpus",
+        "{tmp}/latin1.txt",
+    ),
+    "train more chunks than rows": (["train", "--chunks", "100000"], "--chunks", "100000"),
+    "train fastermoe chunks past the ranks": (
+        ["train", "--policy", "fastermoe", "--chunks", "5"],
+        "--chunks",
+        "5",
+    ),
+    "train experts past the memory": (
+        ["train", "--experts", "100000000"],
+        "--experts",
+        "100000000",
+    ),
+    "train option of zfp not named": (
+        ["train", "--compressor-option", "zfp.rate=abc"],
+        "--compressor-option",
+        "zfp.rate=abc",
+    ),
     # schemoe bench a2a
     "a2a unknown algorithm": (["bench", "a2a", "--algorithms", "nope"], "--algorithms", "nope"),
     "a2a size zero": (["bench", "a2a", "--sizes", "64K,0"], "--sizes", "0"),
@@ -99,6 +157,27 @@ CASES = {
         "--ranks-per-node",
         "3",
     ),
+    "layer timeout below a second": (["bench", "layer", "--timeout", "0.5"], "--timeout", "0.5"),
+    "layer more chunks than rows": (
+        ["bench", "layer", "--chunks", "1,100000"],
+        "--chunks",
+        "100000",
+    ),
+    "layer fastermoe chunks past the ranks": (
+        ["bench", "layer", "--policies", "fastermoe", "--chunks", "3"],
+        "--chunks",
+        "3",
+    ),
+    "layer experts past the memory": (
+        ["bench", "layer", "--experts", "100000000"],
+        "--experts",
+        "100000000",
+    ),
+    "layer predict without the default profile": (
+        ["bench", "layer", "--predict", "--profile", "{tmp}/none.json"],
+        "schemoe profile",
+        "{tmp}/none.json",
+    ),
     "layer predict without a profile": (
         ["bench", "layer", "--predict", "--profile", "{tmp}/profiles.json"],
         "--predict",
@@ -112,6 +191,12 @@ CASES = {
         ["bench", "step", "--nproc", "2", "--experts", "3"],
         "--experts",
         "3",
+    ),
+    "step more chunks than rows": (["bench", "step", "--chunks", "100000"], "--chunks", "100000"),
+    "step experts past the memory": (
+        ["bench", "step", "--experts", "100000000"],
+        "--experts",
+        "100000000",
     ),
     "step window zero": (["bench", "step", "--grad-windows", "0"], "--grad-windows", "0"),
     "step empty batch": (["bench", "step", "--batch", "0"], "--batch", "0"),
@@ -143,6 +228,12 @@ CASES = {
         "fast",
     ),
     "profile no tokens": (["profile", "--tokens", "0"], "--tokens", "0"),
+    "profile timeout below a second": (["profile", "--timeout", "0.001"], "--timeout", "0.001"),
+    "profile experts past the memory": (
+        ["profile", "--experts", "100000000"],
+        "--experts",
+        "100000000",
+    ),
     "profile no time": (["profile", "--timeout", "0"], "--timeout", "0"),
     "simulate no layers": (["simulate", "--layers", "0"], "--layers", "0"),
     "simulate unknown preset": (["simulate", "--preset", "nope"], "--preset", "nope"),
@@ -233,10 +324,22 @@ def nothing_starts(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+def _corpora(tmp: Path) -> None:
+    """The files the corpus cases name: 1200 bytes of text, an empty file, a binary (NUL bytes),
+    latin-1 text (not UTF-8), a folder without .py/.txt/.md files."""
+    (tmp / "small.txt").write_text("a line of text\n" * 80)
+    (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "binary.bin").write_bytes(bytes(range(256)) * 100)
+    (tmp / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 2000)
+    (tmp / "nothing").mkdir()
+    (tmp / "nothing" / "data.bin").write_bytes(b"\0" * 20_000)
+
+
 @pytest.mark.parametrize(("argv", "flag", "value"), CASES.values(), ids=list(CASES))
 def test_a_bad_input_is_one_line_naming_the_flag_and_value_and_starts_nothing(
     argv, flag, value, tmp_path, capsys, nothing_starts
 ):
+    _corpora(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     value = value.replace("{tmp}", str(tmp_path))
     try:

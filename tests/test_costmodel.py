@@ -278,8 +278,14 @@ def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):
         (["--layers", "-3"], "--layers must be >= 1, got -3"),
         (["--tokens", "-5"], "--tokens must be >= 1, got -5"),
         (["--experts", "8", "--top-k", "40"], "top_k=40 must be <= num_experts=8"),
-        (["--capacity-factor", "-1"], "--capacity-factor must be >= 0 and finite, got -1.0"),
-        (["--capacity-factor", "inf"], "--capacity-factor must be >= 0 and finite, got inf"),
+        (
+            ["--capacity-factor", "-1"],
+            "--capacity-factor must be >= 0 and finite (0 for dropless), got -1",
+        ),
+        (
+            ["--capacity-factor", "inf"],
+            "--capacity-factor must be >= 0 and finite (0 for dropless), got inf",
+        ),
         (["--max-chunks", "0"], "--max-chunks must be >= 1, got 0"),
     ],
 )

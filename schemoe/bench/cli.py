@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..cliargs import Check, Parser, guard
+from ..config import GateConfig
 from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
+from ..train.checks import TRAIN_BYTES_PER_PARAM, check_chunk_rows, fits_in_memory, moe_layer_params
 from . import a2a, compress, layer, output, regen, step
 
 __all__ = ["BenchEnv", "register"]
@@ -71,30 +73,13 @@ class BenchEnv:
         return "none shaped; intra and inter-node pairs both on loopback"
 
 
-_LAUNCH_CHECKS = {
-    "--nproc": Check(1),
-    "--ranks-per-node": Check(1),
-    "--timeout": Check(0, 1e9, strict=True),  # beyond ~30 years timedelta overflows
-}
-# The flags of bench/step.py whose range its validate() does not check (its own module, which
-# may move this table next to them; --chunks, --grad-windows, --micro-chunks are checked there).
+# The flags of bench/step.py whose range its validate() does not check, beyond the ones every
+# command shares (cliargs.FLAG_CHECKS: --nproc, --timeout, --model-dim, --experts, ...).
 _STEP_CHECKS = {
     "--policies": Check(),
     "--grad-syncs": Check(),
     "--grad-compressors": Check(),
-    "--bucket-mb": Check(0, strict=True),
-    "--model-dim": Check(1),
-    "--hidden-dim": Check(1),
-    "--experts": Check(1),
-    "--top-k": Check(1),
-    "--capacity-factor": Check(0),
-    "--layers": Check(1),
-    "--heads": Check(1),
-    "--moe-every": Check(1),
     "--seq-len": Check(1),
-    "--batch": Check(1),
-    "--warmup": Check(0),
-    "--repeats": Check(1),
 }
 _CHECKS = {"a2a": a2a.CHECKS, "layer": layer.CHECKS, "step": _STEP_CHECKS}
 
@@ -168,8 +153,37 @@ def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int)
             raise ValueError(f"--experts {experts} must be divisible by the {world} ranks")
         if args.top_k > experts:
             raise ValueError(f"--top-k {args.top_k} must be <= the {experts} experts (--experts)")
+        _check_size(name, args, experts, world)
     if name == "layer":
         layer.check_world(args, env, world)
+
+
+def _check_size(name: str, args: argparse.Namespace, experts: int, world: int) -> None:
+    """The checks `schemoe train` makes of the same flags (train/checks.py): the weights and
+    gradients of `world` ranks fit in this machine's memory (bench layer's compute part builds
+    all E experts on every rank; bench step's model is the trainer's, with AdamW), and no --chunks
+    entry cuts a layer call into more chunks than it has rows."""
+    per_layer = moe_layer_params(
+        args.model_dim, args.hidden_dim, experts, 1 if name == "layer" else world
+    )
+    sized = f"--experts {experts}, --model-dim {args.model_dim}, --hidden-dim {args.hidden_dim}"
+    if name == "layer":
+        params, each, held = per_layer, 8, "fp32 weights and gradients"
+        tokens, t_flags = args.tokens, f"--tokens {args.tokens}"
+    else:  # the fewest tokens a layer call routes: the batch cut into the most micro-chunks
+        params, each = per_layer * (args.layers // args.moe_every), TRAIN_BYTES_PER_PARAM
+        held = "fp32 weights, gradients and AdamW's two moments"
+        sized += f", --layers {args.layers}"
+        m = max(args.micro_chunks)
+        tokens = args.batch * args.seq_len // m
+        t_flags = f"--batch {args.batch} x --seq-len {args.seq_len}" + (
+            f" / --micro-chunks {m}" if m > 1 else ""
+        )
+    fits_in_memory(params, each, world, sized, held=held, device=getattr(args, "device", "cpu"))
+    gate = GateConfig(num_experts=experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
+    for policy in args.policies:
+        for r in args.chunks:
+            check_chunk_rows(r, policy, gate, tokens, world, t_flags)
 
 
 def _main(name: str, args: argparse.Namespace) -> int:
@@ -216,7 +230,7 @@ def register(subparsers) -> None:
         sp = sub.add_parser(name, help=mod.__doc__.splitlines()[0])
         _add_launch_arguments(sp)
         mod.add_arguments(sp)
-        sp.add_checks(_LAUNCH_CHECKS | _CHECKS[name])
+        sp.add_checks(_CHECKS[name])  # and cliargs.FLAG_CHECKS
         sp.set_defaults(func=guard("schemoe bench", partial(_main, name)))
     cp = sub.add_parser("compress", help=compress.__doc__.splitlines()[0])
     compress.add_arguments(cp)

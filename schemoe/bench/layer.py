@@ -59,20 +59,12 @@ __all__ = ["CHECKS", "add_arguments", "bench", "check_world", "validate"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# Each flag's range, checked right after parsing (cliargs.Parser.add_checks).
+# Each flag's range, checked right after parsing (cliargs.Parser.add_checks), beyond the ones
+# every command shares (cliargs.FLAG_CHECKS: --chunks, --tokens, --model-dim, --experts, ...).
 CHECKS = {
     "--policies": Check(),
     "--algorithms": Check(),
     "--compressors": Check(),
-    "--chunks": Check(1),
-    "--tokens": Check(1),
-    "--model-dim": Check(1),
-    "--hidden-dim": Check(1),
-    "--experts": Check(1),
-    "--top-k": Check(1),
-    "--capacity-factor": Check(0),
-    "--warmup": Check(0),
-    "--repeats": Check(1),
     "--shared-hidden": Check(0),
 }
 

@@ -41,6 +41,7 @@ from ..dist.links import Links
 from ..dist.topology import Topology, launcher_local_rank
 from ..testbed.units import parse_rate
 from ..trace import gantt
+from ..train.checks import fits_in_memory, moe_layer_params
 from ..tuning import measure
 from ..tuning.choose import explore
 from . import simctmoe, simstep, validate
@@ -50,26 +51,13 @@ __all__ = ["register"]
 POLICY_ROWS = ("sequential", "tutel", "fastermoe", "schemoe", "search")
 
 # Each flag's range, checked right after parsing (cliargs.Parser.add_checks); one table for
-# `profile` and `simulate` (and simstep's flags), each taking the flags it has.
+# `profile` and `simulate` (and simstep's flags), each taking the flags it has, beyond the ones
+# every command shares (cliargs.FLAG_CHECKS: --nproc, --timeout, --model-dim, --experts, ...).
 CHECKS = {
-    "--nproc": Check(1),
-    "--ranks-per-node": Check(1),
     "--nodes": Check(1),
-    "--model-dim": Check(1),
-    "--hidden-dim": Check(1),
     "--shared-hidden": Check(0),
-    "--tokens": Check(1),
-    "--experts": Check(1),
-    "--top-k": Check(1),
-    "--capacity-factor": Check(0),
-    "--timeout": Check(0, 1e9, strict=True),
-    "--layers": Check(1),
     "--seq-len": Check(0),  # 0: no attention (simulate); --step needs >= 1 (simstep)
     "--max-chunks": Check(1),
-    "--batch": Check(1),
-    "--heads": Check(1),
-    "--moe-every": Check(1),
-    "--bucket-mb": Check(0, strict=True),
     "--micro-chunks": Check(1),
     "--grad-syncs": Check(),
     "--grad-compressors": Check(),
@@ -132,6 +120,15 @@ def _check_profile(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--ranks-per-node {args.ranks_per_node} must divide the {world} ranks")
     if args.experts is not None and args.experts % world:
         raise ValueError(f"--experts {args.experts} must be divisible by the {world} ranks")
+    experts = args.experts or 2 * world
+    fits_in_memory(  # two experts per rank are timed; the layers measured hold E / world each
+        moe_layer_params(args.model_dim, args.hidden, experts, world),
+        8,
+        world,
+        f"--experts {experts}, --model-dim {args.model_dim}, --hidden-dim {args.hidden}",
+        held="fp32 weights and gradients",
+        device=args.device,
+    )
     if args.path and os.path.isdir(args.path):
         raise ValueError(f"--path {args.path!r} is a folder; give the profile store's file name")
 

@@ -101,8 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "the stack's cost model chooses m before the model is built")  # fmt: skip
     m("--budget", choices=("lossless", "fp16", "lossy"),
       help="auto: the compressors it may choose")  # fmt: skip
-    m("--trials", type=int, help="auto: timed calls per shortlisted candidate")
-    m("--shortlist", type=int, help="auto: candidates the model shortlists")
+    m("--trials", type=int,
+      help="auto: timed calls per shortlisted candidate; 0: no timing, the cost model's first "
+      "choice runs (--shortlist is then unused)")  # fmt: skip
+    m("--shortlist", type=int,
+      help="auto: candidates the model shortlists for timing (>= 1; see --trials 0)")  # fmt: skip
     m("--algorithm", help=f"all-to-all algorithm: {', '.join(ALGORITHMS.names())}")
     m("--compressor",
       help=f"forward (activation) compressor: {', '.join(compression.COMPRESSORS.names())}")  # fmt: skip

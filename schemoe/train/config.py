@@ -35,7 +35,7 @@ from ..cliargs import for_flag
 from ..collectives import ALGORITHMS
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, GRAD_SYNCS, SYNCS
-from .checks import check_corpus, check_paths
+from .checks import check_corpus, check_machine, check_paths, check_settings
 from .model import GPTConfig, corpus_size
 
 __all__ = ["MOE_FLAGS", "TrainConfig", "flag", "spelled_with_flags"]
@@ -213,6 +213,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "compressor_option", tuple(self.compressor_option))
         self._check_types()
+        check_settings(self)  # the ranges every command shares; --warmup vs --steps
         self._check_ranges()
         GPTConfig(seq_len=self.seq_len, layers=self.layers, heads=self.heads,
                   moe_every=self.moe_every)  # fmt: skip
@@ -347,6 +348,7 @@ class TrainConfig:
             raise ValueError("--plot needs matplotlib: pip install 'schemoe[plot]'")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard")
+        check_machine(self, world)  # cores, memory, --chunks' rows, the corpus is text
         check_corpus(corpus_size(self.corpus, self.corpus_bytes), seq_len=self.seq_len,
                      eval_seqs=self.eval_seqs, corpus_bytes=self.corpus_bytes)  # fmt: skip
         check_paths(**{k: getattr(self, k) for k in ("resume", "save", "export", "plot",

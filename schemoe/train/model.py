@@ -17,6 +17,7 @@ the plain per-block loop.
 
 from __future__ import annotations
 
+import codecs
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from ..layer.moe import MoELayer
 from ..scheduling import STACK_POLICIES
 from ..step.stack import Stage, run_stack
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "MIN_CORPUS_BYTES", "GPTConfig", "load_corpus", "read_corpus", "text_problem"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,13 +170,20 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.embed.weight.t(), aux
 
 
+MIN_CORPUS_BYTES = 10_000  # below this a run would see the same few windows over and over
+
+
 def _corpus_files(path: str | None) -> tuple[Path, list[Path]]:
     root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
     if not root.exists():
         raise ValueError(f"corpus path {str(root)!r} does not exist")
     if root.is_file():
         return root, [root]
+    if not root.is_dir():
+        raise ValueError(f"corpus path {str(root)!r} is neither a file nor a folder")
     files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file())
+    if not files:
+        raise ValueError(f"corpus folder {str(root)!r} holds no .py, .txt or .md file")
     return root, files
 
 
@@ -189,16 +197,48 @@ def corpus_size(path: str | None, max_bytes: int) -> int:
     return total
 
 
-def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
-    """Byte tokens of a text file, a folder of .py/.txt/.md files, or the Python stdlib sources."""
+def text_problem(data: bytes, *, utf8: bool) -> str | None:
+    """Why `data` is not text, or None: a NUL byte (no text file has one; most binaries do), or
+    with `utf8` a byte that is not UTF-8 (a multi-byte character cut at the end is not)."""
+    if (at := data.find(b"\0")) >= 0:
+        return f"it holds a NUL byte at offset {at} (a binary file?)"
+    if utf8:
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+        except UnicodeDecodeError as e:
+            return f"byte {data[e.start]:#04x} at offset {e.start} is not UTF-8"
+    return None
+
+
+def read_corpus(path: str | None, max_bytes: int) -> bytearray:
+    """The first `max_bytes` bytes of the corpus (`load_corpus`'s), checked: a file named as
+    the corpus must be UTF-8 text, a file of a folder must hold no NUL byte (sources in legacy
+    encodings are text too), and the whole must be >= MIN_CORPUS_BYTES; ValueError naming the
+    path otherwise."""
     root, files = _corpus_files(path)
     buf = bytearray()
     for f in files:
         if len(buf) >= max_bytes:
             break
-        buf += f.read_bytes()[: max_bytes - len(buf)]
-    if len(buf) < 10_000:
-        raise ValueError(f"corpus at {str(root)!r} has only {len(buf)} bytes; need >= 10000")
+        part = f.read_bytes()[: max_bytes - len(buf)]
+        if why := text_problem(part, utf8=f == root):
+            raise ValueError(
+                f"corpus file {str(f)!r} is not text: {why}; give a UTF-8 text file or a folder "
+                "of .py, .txt or .md files"
+            )
+        buf += part
+    if len(buf) < MIN_CORPUS_BYTES:
+        what = "is empty" if not buf else f"has only {len(buf)} bytes"
+        raise ValueError(
+            f"corpus at {str(root)!r} {what}; a corpus needs >= {MIN_CORPUS_BYTES} bytes"
+        )
+    return buf
+
+
+def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Byte tokens of a text file, a folder of .py/.txt/.md files, or the Python stdlib sources
+    (`read_corpus`: ValueError naming a file that is not text or a corpus too small)."""
+    buf = read_corpus(path, max_bytes)
     return torch.frombuffer(buf, dtype=torch.uint8).long()  # bytearray: writable, no copy
 
 
