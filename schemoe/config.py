@@ -54,6 +54,10 @@ def _num(name: str, v: Any, lo: float) -> None:
     _need(not math.isnan(v) and v >= lo, f"{name} must be >= {lo}, got {v}")
 
 
+def _one_of(name: str, v: Any, choices: tuple[str, ...]) -> None:
+    _need(v in choices, f"{name} must be one of {choices}, got {v!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GateConfig:
     """Router settings.
@@ -112,17 +116,14 @@ class GateConfig:
             f"capacity_factor must be finite (0 for dropless), got {self.capacity_factor}",
         )
         _num("noise_std", self.noise_std, 0.0)
-        _need(
-            self.priority in PRIORITIES,
-            f"priority must be one of {PRIORITIES}, got {self.priority!r}",
-        )
+        _one_of("priority", self.priority, PRIORITIES)
         _num("aux_loss_weight", self.aux_loss_weight, 0.0)
         _num("z_loss_weight", self.z_loss_weight, 0.0)
         _num("bias_update_rate", self.bias_update_rate, 0.0)
         self._check_routing()
 
     def _check_routing(self) -> None:
-        _need(self.score in SCORES, f"score must be one of {SCORES}, got {self.score!r}")
+        _one_of("score", self.score, SCORES)
         _int("groups", self.groups, 1)
         E, G = self.num_experts, self.groups
         _need(E % G == 0, f"num_experts={E} must be divisible by groups={G}")
@@ -172,14 +173,8 @@ class ExpertConfig:
     def __post_init__(self) -> None:
         _int("model_dim", self.model_dim, 1)
         _int("hidden_dim", self.hidden_dim, 1)
-        _need(
-            self.activation in ACTIVATIONS,
-            f"activation must be one of {ACTIVATIONS}, got {self.activation!r}",
-        )
-        _need(
-            self.impl in EXPERT_IMPLS,
-            f"experts impl must be one of {EXPERT_IMPLS}, got {self.impl!r}",
-        )
+        _one_of("activation", self.activation, ACTIVATIONS)
+        _one_of("experts impl", self.impl, EXPERT_IMPLS)
 
 
 SHARED_PLACEMENTS = ("scheduled", "before")
@@ -210,10 +205,7 @@ class SharedExpertConfig:
     def __post_init__(self) -> None:
         _int("shared num", self.num, 1)
         _int("shared hidden_dim", self.hidden_dim, 1)
-        _need(
-            self.placement in SHARED_PLACEMENTS,
-            f"shared placement must be one of {SHARED_PLACEMENTS}, got {self.placement!r}",
-        )
+        _one_of("shared placement", self.placement, SHARED_PLACEMENTS)
 
     @property
     def total_hidden(self) -> int:
@@ -271,10 +263,7 @@ class ScheduleConfig:
         )
         _int("chunks", self.chunks, 1)
         budgets = ("lossless", "fp16", "lossy")
-        _need(
-            self.accuracy_budget in budgets,
-            f"accuracy_budget must be one of {budgets}, got {self.accuracy_budget!r}",
-        )
+        _one_of("accuracy_budget", self.accuracy_budget, budgets)
         _int("trials", self.trials, 0)
         _int("shortlist", self.shortlist, 1)
 
