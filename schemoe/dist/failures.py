@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 
 import torch
 import torch.distributed as dist
@@ -84,21 +85,25 @@ def peer_failure(
 ) -> PeerFailure:
     """The PeerFailure to raise from `e`, which `is_peer_failure` accepted. It says what the
     backend saw: a peer that closed its connection (it died or raised; seen at once), or one
-    that stayed silent past the timeout (it stalls, or died without closing)."""
+    that stayed silent past the timeout (it stalls, or died without closing), and the operation
+    when the backend names it ("recv"). Which peer is the launcher's to say (`spawn` names the
+    rank that died or raised, or the ranks that reported nothing)."""
     t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = f"rank {rank}, step {step} ({phase})"
+    op = re.search(r"for (\w+) operation", first)  # gloo: "Timed out waiting 5000ms for recv op..."
+    what = f"a collective ({op.group(1)})" if op else "a collective"
     cause = _cause(e)
     if cause == "closed":
-        what = "another rank closed its connection: it died or raised (see its own error above)"
+        what = "another rank closed its connection: it died or raised"
     elif cause == "timeout":
         within = f"within the {t:g}s timeout (--timeout)" if t else "within the timeout"
         what = (
-            f"a collective did not complete {within}: another rank stalled, or died or "
-            "raised without closing its connection (see its own error above)"
+            f"{what} did not complete {within}: another rank stalled, or died or raised "
+            "without closing its connection"
         )
     else:
-        what = "a collective failed: another rank may have died, raised or stalled"
+        what = f"{what} failed: another rank may have died, raised or stalled"
     return PeerFailure(f"{where}: {what}. Backend said: {first}")
 
 
