@@ -4,6 +4,7 @@ here, so the import graph is the real one."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from . import __version__
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:  # its ranks are stopped: one line, exit 128 + signal
         print(f"schemoe {args.command}: {e}", file=sys.stderr, flush=True)
         return int(e.code)
+    except KeyboardInterrupt:  # Ctrl-C outside a run of ranks (reading a checkpoint, ...)
+        print(f"schemoe {args.command}: interrupted by SIGINT", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

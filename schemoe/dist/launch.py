@@ -211,8 +211,10 @@ def spawn(
                 for p in procs:
                     p.start()
             _collect(state)
+            if state.done():  # a signal now still ends the wait (and the run, with 128 + it)
+                _join(procs, lambda: bool(state.signals))
     finally:
-        _end(procs, clean=state.done())
+        _join(procs, lambda: True)
     if state.signals:
         raise Interrupted(state.signals[0], state.where())
     if state.failed():
@@ -225,11 +227,14 @@ def spawn(
     return [state.out[r] for r in range(world_size)]
 
 
-def _end(procs, clean: bool) -> None:
-    """Every rank gone: after a clean run they get 10 s to exit on their own, else none."""
-    for p in procs:
-        if p.pid is not None and clean:
-            p.join(timeout=10.0)
+def _join(procs, stop: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Wait up to `seconds` for the ranks to exit on their own (until `stop()` says not to),
+    then kill what is left: no rank outlives `spawn`."""
+    deadline = time.monotonic() + seconds
+    while any(p.pid is not None and p.is_alive() for p in procs):
+        if stop() or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     for p in procs:
         if p.pid is not None and p.is_alive():
             p.kill()
