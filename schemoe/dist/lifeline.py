@@ -197,7 +197,8 @@ def stop_on_sigterm() -> None:
 @contextlib.contextmanager
 def stop_deferred() -> Iterator[None]:
     """A block that a stop request does not cut short (a checkpoint's commit): `Stopped` is
-    raised when the block ends, however it ends. Without `stop_on_sigterm` it changes nothing."""
+    raised when the block ends, however it ends. Without `stop_on_sigterm` it changes nothing.
+    Also a decorator (`@stop_deferred()`), for a whole function."""
     _Stop.depth += 1
     try:
         yield

@@ -183,17 +183,17 @@ def _eval(run: Run, step: int) -> None:
         run.bar.print(f"step {step:4d}  eval loss {run.evals[-1][1]:.4f}")
 
 
+@stop_deferred()  # SIGINT/SIGTERM to the launcher: a save in progress completes first
 def _save(run: Run, step: int) -> None:
     run.where[1] = "save"
-    with stop_deferred():  # SIGINT/SIGTERM to the launcher: this save completes first
-        checkpoint.save(
-            run.cfg.save,
-            run.core,
-            run.opt,
-            step=step,
-            rng={"torch": torch.get_rng_state(), "data": run.g.get_state()},
-            meta={"args": run.cfg.settings(), "losses": run.losses, "evals": run.evals},
-        )
+    checkpoint.save(
+        run.cfg.save,
+        run.core,
+        run.opt,
+        step=step,
+        rng={"torch": torch.get_rng_state(), "data": run.g.get_state()},
+        meta={"args": run.cfg.settings(), "losses": run.losses, "evals": run.evals},
+    )
 
 
 def _finish(run: Run) -> None:
