@@ -179,6 +179,7 @@ def _fails(rank: int, world: int, how: str) -> None:
         ("bug", "distributed run failed: rank 1 raised KeyError: 'boom'"),
         ("exits", "distributed run failed: rank 1 exited with status 3 without reporting an error or a result"),
     ],
+    ids=["raises", "bug", "exits"],
 )  # fmt: skip
 def test_spawn_names_the_rank_that_failed_once_and_not_the_peers_that_lost_it(how, line, capfd):
     with pytest.raises(RankFailure) as e:
