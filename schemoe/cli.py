@@ -4,12 +4,14 @@ here, so the import graph is the real one."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from . import __version__
 from .bench import cli as bench_cli
 from .checkpoint import store as checkpoint_cli
 from .cliargs import Parser
+from .dist.lifeline import Interrupted
 from .profile import cli as profile_cli
 from .testbed import cli as testbed_cli
 from .train import loop as train_cli
@@ -36,7 +38,14 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Interrupted as e:  # its ranks are stopped: one line, exit 128 + signal
+        print(f"schemoe {args.command}: {e}", file=sys.stderr, flush=True)
+        return int(e.code)
+    except KeyboardInterrupt:  # Ctrl-C outside a run of ranks (reading a checkpoint, ...)
+        print(f"schemoe {args.command}: interrupted by SIGINT", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def test_a_peer_failure_from_a_reset_connection_says_so_instead_of_blaming_the_t
     assert "10s" not in msg and "did not complete" not in msg
     e = RuntimeError(GLOO + "Timed out waiting 10000ms for recv operation to complete")
     msg = str(failures.peer_failure(e, 0, 3, "backward", 10.0))
-    assert "a collective did not complete within the 10s timeout (--timeout)" in msg
+    assert "a collective (recv) did not complete within the 10s timeout (--timeout)" in msg
 
 
 class _NoBackendGroup:

@@ -1,11 +1,13 @@
-"""Ranks die with their launcher: SIGTERM to `schemoe train` or `schemoe testbed run` is forwarded
-to the ranks, and a launcher killed outright (SIGKILL) still takes them along (parent-death
-signal). Linux only: the tests read /proc."""
+"""Ranks die with their launcher: SIGTERM to `schemoe train` or `schemoe testbed run` stops the
+ranks (the train launcher then says so in one line), and a launcher killed outright (SIGKILL)
+still takes them along (parent-death signal). Linux only: the tests read /proc. SIGINT, a rank
+killed, a stalled rank and resuming afterwards: test_signals.py."""
 
 from __future__ import annotations
 
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -14,46 +16,11 @@ import threading
 import time
 
 import pytest
+from procs import children, cmdline, gone_within, reap
 
 from train_cases import TINY
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ...]
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    return [
-        int(d)
-        for d in os.listdir("/proc")
-        if d.isdigit() and (_stat(int(d)) or [0, 0])[1] == str(pid)
-    ]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 def _signal_and_check(p: subprocess.Popen, ranks: list[int], sig: int) -> None:
@@ -61,20 +28,18 @@ def _signal_and_check(p: subprocess.Popen, ranks: list[int], sig: int) -> None:
     none of its `ranks` is alive 5 s later."""
     p.send_signal(sig)
     p.wait(15)
-    assert _gone_within(ranks, 5.0) == []
+    assert gone_within(ranks, 5.0) == []
     if sig == signal.SIGTERM:
         assert p.returncode == 128 + signal.SIGTERM
-
-
-def _reap(p: subprocess.Popen | None, ranks: list[int]) -> None:
-    """Kill whatever a failed check left running: the ranks, then the launcher."""
-    for r in ranks:
-        if _alive(r):
-            os.kill(r, signal.SIGKILL)
-    if p is not None and p.poll() is None:
-        p.kill()
-    if p is not None:
-        p.wait()
+        if p.stderr is not None:  # the train launcher: one line saying what happened
+            err = p.stderr.read()
+            said = [x for x in err.splitlines() if x.startswith("schemoe train:")]
+            assert "Traceback" not in err, err
+            assert len(said) == 1, err
+            assert re.fullmatch(
+                r"schemoe train: interrupted by SIGTERM at step \d+; nothing saved \(no --save\)",
+                said[0],
+            ), said
 
 
 def _first_line(p: subprocess.Popen, prefix: str, seconds: float) -> str:
@@ -95,16 +60,16 @@ def _first_line(p: subprocess.Popen, prefix: str, seconds: float) -> str:
 def test_no_rank_outlives_the_train_launcher_killed_after_its_first_step(sig):
     cmd = [sys.executable, "-m", "schemoe", "train", *TINY, "--nproc", "2", "--steps", "100000"]
     p = subprocess.Popen(
-        [*cmd, "--log-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [*cmd, "--log-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     ranks: list[int] = []
     try:
         _first_line(p, "step", 240)
-        ranks = [c for c in _children(p.pid) if "spawn_main" in _cmdline(c)]
-        assert len(ranks) == 2, [_cmdline(c) for c in _children(p.pid)]
+        ranks = [c for c in children(p.pid) if "spawn_main" in cmdline(c)]
+        assert len(ranks) == 2, [cmdline(c) for c in children(p.pid)]
         _signal_and_check(p, ranks, sig)
     finally:
-        _reap(p, ranks)
+        reap(p, ranks)
 
 
 CHILD = """
@@ -142,5 +107,5 @@ def test_no_rank_outlives_the_testbed_launcher(sig, tmp_path):
         assert len(ranks) == 2
         _signal_and_check(p, ranks, sig)
     finally:
-        _reap(p, ranks)
+        reap(p, ranks)
         netns.down()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -84,22 +86,42 @@ def peer_failure(
 ) -> PeerFailure:
     """The PeerFailure to raise from `e`, which `is_peer_failure` accepted. It says what the
     backend saw: a peer that closed its connection (it died or raised; seen at once), or one
-    that stayed silent past the timeout (it stalls, or died without closing)."""
+    that stayed silent past the timeout (it stalls, or died without closing), and the operation
+    when the backend names it ("recv"). Which peer is the launcher's to say (`spawn` names the
+    rank that died or raised, or the ranks that reported nothing)."""
     t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    where = f"rank {rank}, step {step} ({phase})"
+    where = f"rank {rank}, step {step} ({phase}){_innermost(e)}"
+    op = re.search(r"for (\w+) operation", first)  # gloo: "Timed out waiting 5000ms for recv op..."
+    what = f"a collective ({op.group(1)})" if op else "a collective"
     cause = _cause(e)
     if cause == "closed":
-        what = "another rank closed its connection: it died or raised (see its own error above)"
+        what = "another rank closed its connection: it died or raised"
     elif cause == "timeout":
         within = f"within the {t:g}s timeout (--timeout)" if t else "within the timeout"
         what = (
-            f"a collective did not complete {within}: another rank stalled, or died or "
-            "raised without closing its connection (see its own error above)"
+            f"{what} did not complete {within}: another rank stalled, or died or raised "
+            "without closing its connection"
         )
     else:
-        what = "a collective failed: another rank may have died, raised or stalled"
+        what = f"{what} failed: another rank may have died, raised or stalled"
     return PeerFailure(f"{where}: {what}. Backend said: {first}")
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _innermost(e: BaseException) -> str:
+    """The last frame of `e`'s traceback in this package, i.e. which of its collectives was
+    waiting, as " in collectives/naive.py:27 (wait)"; "" when no frame is in the package."""
+    tb, found = e.__traceback__, ""
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename)
+        if path.is_relative_to(_PACKAGE):
+            rel = path.relative_to(_PACKAGE).as_posix()
+            found = f" in {rel}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
+        tb = tb.tb_next
+    return found
 
 
 def _bad(t: torch.Tensor) -> int:

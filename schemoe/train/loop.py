@@ -48,6 +48,7 @@ from ..cliargs import guard
 from ..config import MoEConfig
 from ..dist import failures
 from ..dist.launch import joined, spawn
+from ..dist.lifeline import Interrupted, Stopped, stop_deferred
 from ..dist.topology import launcher_local_rank
 from .args import add_arguments, parse_args
 from .config import TrainConfig
@@ -111,6 +112,8 @@ def train(rank: int, world: int, cfg: TrainConfig | argparse.Namespace) -> dict:
         _finish(run)
     except BaseException as e:
         failures.abort()  # the peers fail now, not at their timeout
+        if isinstance(e, Stopped):
+            e.step = run.where[0]  # the launcher's "interrupted by SIGINT at step N"
         if failures.is_peer_failure(e) and not isinstance(e, failures.PeerFailure):
             raise failures.peer_failure(e, rank, run.where[0], run.where[1], cfg.timeout) from e
         raise
@@ -187,6 +190,7 @@ def _eval(run: Run, step: int) -> None:
         run.bar.print(f"step {step:4d}  eval loss {run.evals[-1][1]:.4f}")
 
 
+@stop_deferred()  # SIGINT/SIGTERM to the launcher: a save in progress completes first
 def _save(run: Run, step: int) -> None:
     run.where[1] = "save"
     checkpoint.save(
@@ -282,9 +286,21 @@ def _main(a: argparse.Namespace) -> int:
             f"{torch.cuda.device_count()}"
         )
     backend = "nccl" if cfg.device == "cuda" else "gloo"
-    spawn(train, cfg.nproc, cfg, timeout=cfg.timeout, threads=cfg.threads,
-          run_timeout=float("inf"), backend=backend)  # fmt: skip
+    try:
+        spawn(train, cfg.nproc, cfg, timeout=cfg.timeout, threads=cfg.threads,
+              run_timeout=float("inf"), backend=backend)  # fmt: skip
+    except Interrupted as e:  # the one line says where a --resume would start
+        raise Interrupted(e.signum, e.detail + _last_checkpoint(cfg)) from None
     return 0
+
+
+def _last_checkpoint(cfg: TrainConfig) -> str:
+    if not cfg.save:
+        return "; nothing saved (no --save)"
+    try:
+        return f"; last checkpoint: {checkpoint.resolve(cfg.save)}"
+    except ValueError:
+        return f"; no checkpoint in {cfg.save} yet"
 
 
 def register(sub) -> None:
