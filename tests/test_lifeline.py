@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-from procs import children, cmdline, gone_within, reap
 
+from procs import children, cmdline, gone_within, reap
 from train_cases import TINY
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

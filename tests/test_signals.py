@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from procs import gone_within, ranks_of, reap
 
 import schemoe
+from procs import gone_within, ranks_of, reap
 from schemoe.dist import lifeline
 from schemoe.dist.launch import RankFailure, spawn
 from train_cases import TINY
