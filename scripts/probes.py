@@ -147,10 +147,9 @@ def _ranks(pid: int) -> list[int]:
     return found
 
 
-def signal_probe(p: Probe, d: Path) -> tuple[int | None, str, str, bool, str]:
-    """Start the run, wait for its second step line, signal the launcher or kill a rank, and
-    wait AFTER_SIGNAL_S for it and every rank to go. (rc, out, err, timed_out, note)."""
-    proc = subprocess.Popen(
+def _start(p: Probe, d: Path) -> subprocess.Popen:
+    """The probe's command in folder d, in a session of its own (its ranks with it)."""
+    return subprocess.Popen(
         _command(p, d),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -159,6 +158,12 @@ def signal_probe(p: Probe, d: Path) -> tuple[int | None, str, str, bool, str]:
         cwd=d,
         start_new_session=True,
     )
+
+
+def signal_probe(p: Probe, d: Path) -> tuple[int | None, str, str, bool, str]:
+    """Start the run, wait for its second step line, signal the launcher or kill a rank, and
+    wait AFTER_SIGNAL_S for it and every rank to go. (rc, out, err, timed_out, note)."""
+    proc = _start(p, d)
     out: list[str] = []
     err: list[str] = []
     seen = threading.Event()
@@ -220,15 +225,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def run_one(p: Probe, d: Path) -> tuple[int | None, str, str, bool, str]:
     if p.action:
         return signal_probe(p, d)
-    proc = subprocess.Popen(
-        _command(p, d),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        cwd=d,
-        start_new_session=True,
-    )
+    proc = _start(p, d)
     try:
         out, err = proc.communicate(timeout=p.timeout)
         return proc.returncode, out, err, False, ""
