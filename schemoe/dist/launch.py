@@ -96,7 +96,9 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent, ba
         results.put((rank, True, pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 (every failure, even KeyboardInterrupt, goes to the parent)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        results.put((rank, False, (f"{type(e).__name__}: {first}", traceback.format_exc())))
+        # a diverged run, a failed save: the message says it all; a traceback for the rest
+        tb = "" if isinstance(e, FloatingPointError | OSError) else traceback.format_exc()
+        results.put((rank, False, (f"{type(e).__name__}: {first}", tb)))
     finally:
         shutdown()
 
@@ -185,5 +187,6 @@ def _collect(procs, results, out, errors, deadline, limit, fn) -> None:
             out[rank] = pickle.loads(val)
         else:
             summary, tb = val
-            errors.append(f"rank {rank} raised {summary}\n--- rank {rank} ---\n{tb}")
+            more = f"\n--- rank {rank} ---\n{tb}" if tb else ""
+            errors.append(f"rank {rank} raised {summary}{more}")
             return  # the others will fail or hang on the missing peer; stop them

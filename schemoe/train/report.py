@@ -58,9 +58,13 @@ class Metrics:
 
             self.tb = SummaryWriter(a.tensorboard)
 
-    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict):
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-               "step_ms": parts, "moe": [m.take_routing_stats() for m in self.moe]}  # fmt: skip
+    def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict,
+              *, skipped: bool = False):  # fmt: skip
+        """One row; `skipped`: the step's loss or gradient norm was not finite, no weight
+        changed (non-finite values are written as null)."""
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "skipped": skipped,
+               "tokens_per_s": tps, "step_ms": parts,
+               "moe": [m.take_routing_stats() for m in self.moe]}  # fmt: skip
         if self.file:
             self.file.write(json.dumps(finite_or_none(row)) + "\n")
             self.file.flush()
