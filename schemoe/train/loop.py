@@ -198,6 +198,27 @@ def _diverged(run: Run, step: int, n: int) -> None:
     )
 
 
+def _log(run: Run, step: int, rec: StepRecord) -> None:
+    """Rank 0: the metrics row, the step line (first, every --log-every, last, and every skipped
+    step), the bar."""
+    cfg, tps = run.cfg, run.tokens / run.times[-1]
+    if run.metrics:
+        ms = {k: round(1e3 * run.parts[k][-1], 3) for k in PARTS}
+        run.metrics.write(
+            step, rec.loss, lr_at(step, cfg), float(rec.grad_norm), tps, ms, skipped=rec.skipped
+        )
+    shown = step == run.start + 1 or step % cfg.log_every == 0 or step == run.last
+    if run.rank == 0 and (shown or rec.skipped):
+        skipped = "  SKIPPED (non-finite: no weight changed)" if rec.skipped else ""
+        run.bar.print(
+            f"step {step:4d}  loss {rec.loss:.4f}  lr {lr_at(step, cfg):.2e}  "
+            f"grad norm {rec.grad_norm:.3f}  tokens/s {tps:,.0f}  "
+            f"(fwd {1e3 * rec.forward_s:.0f} ms, bwd {1e3 * rec.backward_s:.0f} ms, "
+            f"opt {1e3 * rec.optimizer_s:.0f} ms){skipped}"
+        )
+    run.bar.update(step, run.start + 1, rec.loss)
+
+
 def _eval(run: Run, step: int) -> float:
     run.where[1] = "eval"
     run.evals.append([step, evaluate(run.core, run.windows, run.cfg.batch)])
