@@ -121,11 +121,15 @@ def save(
         except OSError as e:
             err = e
     settle(err, root, tmp, step)
+    path = tmp
     try:
         for fname, tensors in files.items():
-            _write(tensors, tmp / fname)
+            path = tmp / fname
+            _write(tensors, path)
         write_digests(tmp, list(files), rank)
-    except BaseException as e:  # noqa: BLE001 (every rank raises it in _settle)
+    except BaseException as e:  # noqa: BLE001 (every rank raises it in settle)
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = str(path)  # the file being written when it failed
         err = e
     settle(err, root, tmp, step)
     if rank == 0:
