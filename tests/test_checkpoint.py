@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import train_cases
 from schemoe.checkpoint import files as checkpoint_files
 from schemoe.checkpoint import store as checkpoint
+from schemoe.checkpoint.meta import meta_digest
 from schemoe.dist.launch import spawn
 from schemoe.train import loop as T
 from schemoe.train.model import GPT, GPTConfig, eval_windows, evaluate, load_corpus
@@ -186,6 +187,7 @@ def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp
     torch.save({"model/embed.weight": _Exploit(str(flag))}, folder / "dense.pt")
     meta = json.loads((folder / "meta.json").read_text())  # a writer who can also fix digests
     meta["files"]["dense.pt"] = checkpoint_files.sha256(folder / "dense.pt")
+    meta["meta_sha256"] = meta_digest(meta)
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="weights_only"):
         checkpoint.load(tmp_path, core)
