@@ -174,7 +174,7 @@ def _loop(run: Run, checker: failures.FiniteChecker | None) -> None:
     steps already diverge. A skipped step is not saved (its state is the one before it, and
     may be where a divergence starts)."""
     cfg = run.cfg
-    if cfg.save and cfg.save_every and run.start == 0:
+    if cfg.save and cfg.save_every and not cfg.resume:
         _save(run, 0)
     in_a_row = 0
     for step in range(run.start + 1, run.last + 1):
