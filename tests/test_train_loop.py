@@ -12,11 +12,14 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig, cli
 from schemoe.dist.launch import spawn
 from schemoe.train import loop as T
+from schemoe.train import step as S
 from schemoe.train.resume import apply_resume
+from schemoe.train.setup import setup
 from train_cases import tiny
 
 EXACT = ("--capacity-factor", "0", "--aux-loss-weight", "0", "--eval-seqs", "0")
@@ -171,3 +174,35 @@ def _warnings_of_a_run(rank: int, world: int) -> list[str]:
 def test_a_two_rank_run_prints_no_warning():
     per_rank = spawn(_warnings_of_a_run, 2)
     assert per_rank == [[], []]
+
+
+def _bucket_layouts(rank: int, world: int) -> dict:
+    """The order of the dense parameters in DDP's gradient bucket at steps 1 and 2, after
+    `settle_buckets`, and whether it left the weights and random streams as they were."""
+    run = setup(rank, world, tiny("--steps", "4"))
+    names = {id(p): n for n, p in run.core.named_parameters()}
+    seen: list[list[str]] = []
+
+    def record(state, bucket):
+        seen.append([names[id(p)] for p in bucket.parameters()])
+        return default_hooks.allreduce_hook(state, bucket)
+
+    run.model.register_comm_hook(None, record)
+    weights = [t.clone() for t in run.core.state_dict().values()]
+    rng, data = torch.get_rng_state(), run.g.get_state()
+    T.settle_buckets(run)
+    kept = all(torch.equal(a, b) for a, b in zip(weights, run.core.state_dict().values()))
+    kept = kept and torch.equal(rng, torch.get_rng_state()) and torch.equal(data, run.g.get_state())
+    kept = kept and not run.opt.state and all(p.grad is None for p in run.core.parameters())
+    settled = len(seen)
+    for _ in range(2):
+        S.train_step(run.model, run.core, run.opt, run.next_batch, run.ep, clip=1.0)
+    return {"kept": kept, "steps": seen[settled:], "first": seen[0]}
+
+
+def test_ddp_buckets_are_laid_out_before_the_first_step_so_every_step_sums_alike(ranks):
+    # the layout a resumed process's first step used to differ from the uninterrupted run's
+    for r in ranks(2).run(_bucket_layouts):
+        assert r["kept"]
+        assert len(r["steps"]) == 2 and r["steps"][0] == r["steps"][1]
+        assert r["first"] != r["steps"][0]  # DDP did re-lay its bucket out (ready order)

@@ -1,14 +1,15 @@
 """`schemoe train` and `schemoe bench step` run one training step (schemoe/train/step.py): the
 same function object, called by both, giving the same losses for the same set-up; and the step
-itself: accumulation equals the larger batch, a non-finite loss stops before the optimizer."""
+itself: accumulation equals the larger batch, a non-finite loss skips the optimizer step."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from schemoe.bench import step as bench_step
-from schemoe.dist import failures
 from schemoe.train import loop as T
 from schemoe.train import step as S
 from schemoe.train.model import GPT, GPTConfig
@@ -88,15 +89,15 @@ def test_two_micro_batches_of_b_take_the_step_of_one_batch_of_2b():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_a_non_finite_loss_raises_before_the_optimizer_steps():
+def test_a_non_finite_loss_skips_the_step_before_the_optimizer_steps():
     core, opt = _tiny_model()
     with torch.no_grad():
         core.embed.weight[0, 0] = float("nan")
     before = [p.detach().clone() for p in core.parameters()]
     x, y = _tokens(2)
     x[0, 0] = 0  # the token whose embedding is NaN
-    with pytest.raises(failures.NonFiniteError, match="non-finite loss nan .* at step 7: .*--lr"):
-        S.train_step(core, core, opt, lambda: (x, y), None, clip=1.0, step=7, advice=". --lr")
+    rec = S.train_step(core, core, opt, lambda: (x, y), None, clip=1.0)
+    assert rec.skipped and math.isnan(rec.loss) and math.isnan(rec.grad_norm)
     for p, q in zip(core.parameters(), before, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
     assert not opt.state  # AdamW never stepped

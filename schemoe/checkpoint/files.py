@@ -12,9 +12,12 @@ naming the file, not a silently different model. The check reads each file once 
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,10 +30,14 @@ __all__ = [
     "agree",
     "checked",
     "collect_digests",
+    "describe",
     "fsync_dir",
+    "latest_line",
     "rank_world",
     "read",
     "rotate",
+    "set_aside",
+    "settle",
     "sha256",
     "write",
     "write_digests",
@@ -45,17 +52,37 @@ def rank_world() -> tuple[int, int]:
 
 def write(obj: dict[str, torch.Tensor] | str, path: Path) -> None:
     """Tensors (torch.save) or text to a temporary name, fsync, rename, fsync the folder: a
-    reader never sees half a file, and the rename survives a crash."""
+    reader never sees half a file, and the rename survives a crash. On any failure the temporary
+    file is removed, and an OSError names `path` (a full disk is ENOSPC, not torch's "unexpected
+    pos": tensors are serialised in memory first, so the OS reports the write that failed)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if isinstance(obj, str):
-            f.write(obj.encode())
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if isinstance(obj, str):
+        data = obj.encode()
+    else:
+        buf = io.BytesIO()  # one more copy of the file in memory, for an exact errno
+        torch.save(obj, buf)
+        data = buf.getbuffer()
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def describe(e: BaseException) -> str:
+    """An error at save time in words: ENOSPC as "no space left on device writing PATH"."""
+    if isinstance(e, OSError) and e.errno is not None:
+        what = "no space left on device" if e.errno == errno.ENOSPC else e.strerror or str(e)
+        return f"{what} writing {e.filename}" if e.filename else what
+    return f"{type(e).__name__}: {e}"
 
 
 def fsync_dir(d: Path) -> None:
@@ -137,3 +164,63 @@ def rotate(root: Path, keep: int) -> None:
     for old in done[: max(0, len(done) - keep)]:
         if not good or old != good[-1]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_line(root: Path) -> str:
+    latest = root / "latest"
+    if latest.is_file():
+        return f"{latest} still names {latest.read_text().strip()}"
+    return f"{root} holds no earlier checkpoint"
+
+
+def settle(err: BaseException | None, root: Path, tmp: Path, step: int) -> None:
+    """Whether every rank succeeded (collective); if not, rank 0 removes the partial folder and
+    every rank raises one line naming the first failing rank and what failed (OSError; the
+    failing rank re-raises anything else, a bug, with its traceback)."""
+    if agree(err is None):
+        return
+    rank, world = rank_world()
+    mine = describe(err) if err is not None else None
+    said = [mine]
+    if world > 1:
+        said = [None] * world
+        dist.all_gather_object(said, mine)
+    who = next(r for r, m in enumerate(said) if m is not None)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    agree(True)  # the partial files are gone before anyone reports
+    text = (
+        f"checkpoint of step {step} not written: rank {who}: {said[who]}; removed the partial "
+        f"{tmp}; {latest_line(root)}"
+    )
+    if err is not None and not isinstance(err, OSError):
+        raise err
+    raise OSError(text)
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)(-\d+)?$")
+
+
+def set_aside(root: Path, first_bad: int) -> Path | None:
+    """After a divergence: rename every complete checkpoint of step >= `first_bad` (the state the
+    non-finite steps started from, and any later one) to diverged-step-N, out of `latest`'s and
+    the rotation's reach, and point `latest` at the newest one left. Returns that folder, or None
+    (then `latest` is removed). Rank 0 only; no collective."""
+    left: list[tuple[int, Path]] = []
+    for p in root.glob("step-*"):
+        m = _STEP_DIR.match(p.name)
+        if not m or not (p / "meta.json").exists():
+            continue
+        if int(m[1]) >= first_bad:
+            dest = root / f"diverged-{p.name}"
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(p, dest)
+        else:
+            left.append((int(m[1]), p))
+    fsync_dir(root)
+    if not left:
+        (root / "latest").unlink(missing_ok=True)
+        return None
+    newest = max(left, key=lambda sp: (sp[0], (sp[1] / "meta.json").stat().st_mtime_ns))[1]
+    write(newest.name, root / "latest")
+    return newest

@@ -40,49 +40,25 @@ import torch
 from torch import nn
 
 from ..cliargs import guard
-from ..experts.ffn import ModuleExperts
-from ..layer.moe import MoELayer
-from ..layer.parallel import is_expert_param
+from ..dist.failures import NonFiniteError
 from .files import agree as _agree
-from .files import checked, collect_digests, rotate, write_digests
+from .files import checked, collect_digests, latest_line, rotate, settle, write_digests
 from .files import fsync_dir as _fsync_dir
 from .files import rank_world as _rank_world
 from .files import read as _read
 from .files import write as _write
+from .meta import FORMAT, UNVERIFIED_FLAG, meta_digest, read_meta, resolve, verify
+from .shards import bare as _bare
+from .shards import expert_keys as _expert_keys
+from .shards import finite as _finite
+from .shards import optim_names as _optim_names
+from .shards import rank_files as _rank_files
 
-__all__ = ["Loaded", "export", "export_model", "load", "load_export", "register", "resolve", "save"]
+__all__ = ["Loaded", "export", "export_model", "load", "load_export", "register", "resolve", "save",
+           "verify"]  # fmt: skip
 
-FORMAT, EXPORT_FORMAT = "schemoe-checkpoint/1", "schemoe-export/1"
+EXPORT_FORMAT = "schemoe-export/1"
 _STACKED = re.compile(r"^(.*)\[(\d+)\]$")
-
-
-def _bare(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _expert_keys(model: nn.Module) -> dict[str, list[tuple[str, int | None]]]:
-    """Parameter name -> [(storage key, local row or None for the whole tensor)] per expert."""
-    out: dict[str, list[tuple[str, int | None]]] = {}
-    for ln, layer in model.named_modules():
-        if not isinstance(layer, MoELayer):
-            continue
-        first = layer.expert_slice().start
-        pre = f"{ln}." if ln else ""
-        for pn, p in layer.named_parameters():
-            if not is_expert_param(p):
-                continue
-            m = re.fullmatch(r"experts\.experts\.(\d+)\.(.+)", pn)
-            if isinstance(layer.experts, ModuleExperts) and m:
-                out[pre + pn] = [(f"{pre}experts.experts.{first + int(m[1])}.{m[2]}", None)]
-            else:  # stacked: dim 0 is the local expert
-                out[pre + pn] = [(f"{pre}{pn}[{first + i}]", i) for i in range(p.shape[0])]
-    return out
-
-
-def _optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
-    """Names of the optimizer's parameters in its state_dict index order."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
 def _tensors(folder: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -107,100 +83,93 @@ def save(
 ) -> Path:
     """Write a checkpoint of `step` into `directory` (collective: every rank calls it).
 
+    `latest` moves only after a complete, finite save: every rank's files written and their
+    digests in meta.json, every model and optimizer tensor finite on every rank.
+
     Args:
         directory: the checkpoint folder (created if needed; shared by all ranks).
         model: the model (a DDP wrapper is unwrapped); optimizer: its optimizer, or None.
         step: optimizer steps taken so far.
         rng: this rank's RNG states, e.g. {"torch": torch.get_rng_state(), "data": g.get_state()}.
         meta: JSON-serialisable extras (run arguments, loss history), stored in meta.json.
-        keep: complete checkpoints to keep (older ones are deleted after the new one is live),
-            besides the newest one whose tensors are all finite (meta.json's "finite"), which
-            is never deleted.
+        keep: complete checkpoints to keep (older ones are deleted after the new one is live).
 
     Returns the folder of the new checkpoint.
+
+    Raises:
+        NonFiniteError: some rank's state holds NaN/Inf; nothing is written, `latest` unchanged.
+        OSError: some rank could not write (a full disk: "no space left on device writing
+            PATH"); every rank raises the same line naming that rank, the partial folder is
+            removed, `latest` unchanged.
     """
     model, (rank, world) = _bare(model), _rank_world()
     root = Path(directory)
     name = f"step-{step:08d}"
     tmp = root / f"{name}.tmp"
+    files = _rank_files(model, optimizer, rng, rank)
+    if not _agree(all(_finite(t) for t in files.values())):  # HOST SYNC per tensor
+        raise NonFiniteError(
+            f"checkpoint of step {step} not written: the model or optimizer state holds NaN/Inf "
+            f"(the run diverged); {latest_line(root)}"
+        )
+    err: BaseException | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted write
-        tmp.mkdir()
-    _agree(True)
-    ok, err, finite = True, None, True
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted write
+            tmp.mkdir()
+        except OSError as e:
+            err = e
+    settle(err, root, tmp, step)
+    path = tmp
     try:
-        finite, names = _write_rank_files(tmp, model, optimizer, rng, rank)
-        write_digests(tmp, names, rank)
-    except BaseException as e:  # noqa: BLE001 (re-raised below, after telling the others)
-        ok, err = False, e
-    if not _agree(ok):
-        if err is not None:
-            raise err
-        raise RuntimeError(f"checkpoint {tmp}: another rank failed to write its files")
-    finite = _agree(finite)
-    final = root / name
+        for fname, tensors in files.items():
+            path = tmp / fname
+            _write(tensors, path)
+        write_digests(tmp, list(files), rank)
+    except BaseException as e:  # noqa: BLE001 (every rank raises it in settle)
+        if isinstance(e, OSError) and not e.filename:
+            e.filename = str(path)  # the file being written when it failed
+        err = e
+    settle(err, root, tmp, step)
     if rank == 0:
-        info = {"format": FORMAT, "step": step, "world_size": world, "finite": finite}
-        info.update(meta or {})
-        info["files"] = collect_digests(tmp)
-        _write(json.dumps(info, indent=1), tmp / "meta.json")
-        n = 1
-        while final.exists():  # never rename onto a live checkpoint
-            final, n = root / f"{name}-{n}", n + 1
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write(final.name, root / "latest")
+        try:
+            _publish(root, tmp, name, step, world, meta, rng is not None)
+        except BaseException as e:  # noqa: BLE001 (every rank raises it in _settle)
+            err = e
+    settle(err, root, tmp, step)
+    if rank == 0:
         rotate(root, keep)
     _agree(True)
     return root / (root / "latest").read_text().strip()
 
 
-def _finite(tensors: dict[str, torch.Tensor]) -> bool:
-    # a host sync per tensor, at save time only
-    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
-
-
-def _write_rank_files(
-    tmp: Path, model: nn.Module, optimizer, rng, rank: int
-) -> tuple[bool, list[str]]:
-    """Write this rank's files into `tmp`; (whether every model/optimizer tensor is finite,
-    the names of the files written)."""
-    experts = _expert_keys(model)
-    state = optimizer.state if optimizer is not None else {}
-    params = dict(model.named_parameters())
-    dense: dict[str, torch.Tensor] = {}
-    mine: dict[str, torch.Tensor] = {}
-    # clone(): torch.save of a view would store the whole underlying tensor
-    for name, t in model.state_dict().items():
-        if name in experts:
-            for key, i in experts[name]:
-                mine[f"model/{key}"] = (t if i is None else t[i]).detach().clone()
-        else:
-            dense[f"model/{name}"] = t.detach().clone()
-    for name, p in params.items():
-        for k, v in state.get(p, {}).items():
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(
-                    f"optimizer state {k!r} of {name} is a {type(v).__name__}; "
-                    "only tensor states can be checkpointed"
-                )
-            if name not in experts:
-                dense[f"optim/{k}/{name}"] = v.detach().clone()
-                continue
-            if experts[name][0][1] is not None and v.shape != p.shape:
-                # stacked experts, a state that does not shard like the weight (AdamW's step)
-                mine[f"optim/{k}/{name}"] = v.detach().clone()
-                continue
-            for key, i in experts[name]:
-                mine[f"optim/{k}/{key}"] = (v if i is None else v[i]).detach().clone()
-    files = {"dense.pt": dense} if rank == 0 else {}
-    files[f"experts-{rank:05d}.pt"] = mine
-    if rng is not None:
-        files[f"rng-{rank:05d}.pt"] = dict(rng)
-    for name, tensors in files.items():
-        _write(tensors, tmp / name)
-    return _finite(mine) and (rank != 0 or _finite(dense)), list(files)
+def _publish(
+    root: Path, tmp: Path, name: str, step: int, world: int, extra, with_rng: bool
+) -> Path:
+    """Rank 0, once every rank wrote its files: meta.json (digests of every file and of
+    itself), the folder renamed into place, then `latest` (removing the folder if `latest`
+    cannot be written, so no complete folder is left that `latest` does not name)."""
+    digests = collect_digests(tmp)
+    want = {"dense.pt", *(f"experts-{r:05d}.pt" for r in range(world))}
+    want |= {f"rng-{r:05d}.pt" for r in range(world)} if with_rng else set()
+    assert want <= set(digests), f"{tmp}: no digest for {sorted(want - set(digests))}"
+    info = {"format": FORMAT, "step": step, "world_size": world, "finite": True}
+    info.update(extra or {})
+    info["files"] = digests
+    info["meta_sha256"] = meta_digest(info)
+    _write(json.dumps(info, indent=1), tmp / "meta.json")
+    final, n = root / name, 1
+    while final.exists():  # never rename onto a live checkpoint
+        final, n = root / f"{name}-{n}", n + 1
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    try:
+        _write(final.name, root / "latest")
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    return final
 
 
 @dataclass(frozen=True)
@@ -213,31 +182,18 @@ class Loaded:
     rng: dict[str, torch.Tensor] | None
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint folder `path` names: itself (a step-N folder) or the one its `latest`
-    names. Raises ValueError saying what is missing."""
-    path = Path(path)
-    if (path / "meta.json").exists():
-        return path
-    if (path / "latest").exists():
-        name = (path / "latest").read_text().strip()
-        folder = path / name
-        if not (folder / "meta.json").exists():
-            what = "has no meta.json" if folder.is_dir() else "does not exist"
-            raise ValueError(
-                f"{str(path)!r}: its 'latest' names {name!r}, which {what}; pass one of its "
-                "step-N folders instead"
-            )
-        return folder
-    raise ValueError(f"{str(path)!r} holds no checkpoint (no 'latest' and no meta.json)")
-
-
 def load(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    allow_unverified: bool = False,
 ) -> Loaded:
     """Load a checkpoint folder (its `latest`, or one step-N folder) or an exported file into
     `model` and `optimizer`, resharding experts to this rank's slice. Every rank calls it; no
-    collective. Raises ValueError when the checkpoint does not fit the model."""
+    collective. Raises ValueError when the checkpoint does not fit the model, when a file or
+    meta.json fails its digest, and for a checkpoint without digests (the format before them)
+    unless `allow_unverified`; such a checkpoint must then hold finite tensors."""
     model, (rank, world) = _bare(model), _rank_world()
     path = Path(path)
     if path.is_file():
@@ -246,10 +202,13 @@ def load(
         step, rng = int(meta.get("step", 0)), None
     else:
         folder = resolve(path)
-        meta = json.loads((folder / "meta.json").read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        tensors, step = _tensors(folder, meta), int(meta["step"])
+        meta = read_meta(folder, allow_unverified=allow_unverified)
+        tensors, step = _tensors(folder, meta), meta["step"]
+        if "files" not in meta and not _finite(tensors):
+            raise ValueError(
+                f"{folder} (unverified: no digests, loaded with {UNVERIFIED_FLAG}) holds NaN/Inf "
+                "tensors: its files are corrupt; use another checkpoint"
+            )
         same = meta["world_size"] == world and (folder / f"rng-{rank:05d}.pt").exists()
         rng = _read(checked(folder, f"rng-{rank:05d}.pt", meta)) if same else None
     _load_model(model, tensors, path)
@@ -320,14 +279,17 @@ def _load_optimizer(
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
-def export(src: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Merge checkpoint `src` into one file `out` of unsharded tensors (no collective).
+def export(
+    src: str | os.PathLike, out: str | os.PathLike, *, allow_unverified: bool = False
+) -> Path:
+    """Merge checkpoint `src` into one file `out` of unsharded tensors (no collective);
+    `allow_unverified` as for `load`.
 
     The file is {"format", "meta" (JSON text), "state"}: `state` is the state_dict of the
     one-rank model, so `model.load_state_dict(load_export(out)[0])` restores it.
     """
     folder = resolve(Path(src))
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder, allow_unverified=allow_unverified)
     tensors = _tensors(folder, meta)
     state: dict[str, torch.Tensor] = {}
     stacked: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -378,6 +340,8 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="merge a (sharded) checkpoint into one inference file")
     p.add_argument("checkpoint", help="checkpoint folder (its latest) or one step-N folder")
     p.add_argument("out", help="output file")
+    p.add_argument(UNVERIFIED_FLAG, action="store_true",
+                   help="read a checkpoint written before digests (its files cannot be checked)")  # fmt: skip
     p.set_defaults(func=guard("schemoe export", _export_command))
 
 
@@ -388,5 +352,5 @@ def _export_command(a) -> int:
         raise ValueError(f"CHECKPOINT {e}") from None
     if Path(a.out).is_dir() or not Path(a.out).parent.is_dir():
         raise ValueError(f"OUT {a.out!r} must name a file in a folder that exists")
-    print(export(a.checkpoint, a.out))
+    print(export(a.checkpoint, a.out, allow_unverified=a.allow_unverified_checkpoint))
     return 0

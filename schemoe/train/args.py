@@ -156,6 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r("--resume", metavar="DIR",
       help="resume a checkpoint (any rank count) with its saved arguments; flags given here "
       "override them, except the model's shape")  # fmt: skip
+    r("--allow-unverified-checkpoint", action="store_true",
+      help="--resume a checkpoint written before digests (its files cannot be checked; its "
+      "tensors and the final eval must then be finite)")  # fmt: skip
     r("--stop-after", type=int, help="stop at this step (resume later)")
     r("--export", metavar="PATH", help="single-file unsharded model at the end")
     r("--plot", metavar="PNG", help="loss curve image (rank 0)")

@@ -198,6 +198,7 @@ class TrainConfig:
     log_file: str | None = None
     tensorboard: str | None = None
     check_finite: bool = False
+    allow_unverified_checkpoint: bool = False
     threads: int = 1
     timeout: float = 600.0
 

@@ -39,11 +39,13 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint import store as checkpoint
+from ..checkpoint.files import agree, set_aside
 from ..cliargs import guard
 from ..config import MoEConfig
 from ..dist import failures
@@ -58,13 +60,19 @@ from .resume import apply_resume, nothing_to_do
 from .setup import PARTS, Run, restore, setup
 from .step import StepRecord, train_step
 
+# Skipped steps (non-finite loss or gradient norm) in a row that stop the run: one can be a
+# spike the next batch does not repeat; three from the same weights are a divergence.
+MAX_SKIPPED = 3
+
 __all__ = [
+    "MAX_SKIPPED",
     "TrainConfig",
     "load_corpus",
     "lr_at",
     "moe_config_from_args",
     "parse_args",
     "register",
+    "settle_buckets",
     "train",
     "train_step",
 ]
@@ -99,13 +107,16 @@ def train(rank: int, world: int, cfg: TrainConfig | argparse.Namespace) -> dict:
     by TrainConfig.from_args). Resumes from --resume, saves to --save. On an error after set-up
     it destroys the default process group (so the peers fail now) and re-raises.
 
-    A non-finite loss (the mean over ranks, checked before the optimizer, every step) stops the
-    run with NonFiniteError on every rank, before the optimizer takes that step; --check-finite
-    adds the per-module checks that name where it started."""
+    A step whose loss or gradient norm is not finite is skipped on every rank (no weight or
+    optimizer state changes, `train_step`); MAX_SKIPPED of them in a row stop the run with
+    NonFiniteError on every rank, naming the step and the last good checkpoint (`_diverged`).
+    --check-finite adds the per-module checks that name where it started. A final eval that is
+    not finite is a NonFiniteError too, and that model is not saved."""
     cfg = as_config(cfg)
     cfg.validate(world)
     run = setup(rank, world, cfg)
     restore(run)
+    settle_buckets(run)
     checker = failures.FiniteChecker(run.core) if cfg.check_finite else None
     try:
         _loop(run, checker)
@@ -128,14 +139,48 @@ def train(rank: int, world: int, cfg: TrainConfig | argparse.Namespace) -> dict:
     return result
 
 
+def settle_buckets(run: Run) -> None:
+    """One forward and backward of a zero loss on a batch of zeros before the first step, so DDP
+    fixes its gradient buckets now, not after the first real step.
+
+    DDP flattens the dense gradients into buckets laid out in parameter order for the first
+    backward of a wrapper, and re-lays them out once in the order gradients became ready. On
+    4+ ranks gloo's ring all-reduce adds an element's contributions in an order set by its
+    offset in the bucket (a permutation changes the sum's last bit in ~25% of elements, measured
+    here on 4 ranks), so the first step of every process summed in another order than the steps
+    after it: a run resumed at step 5 took step 5 in the first layout, the uninterrupted run in
+    the second. Settled here, every step of every process uses the second one. Nothing of the
+    run changes: no weight, optimizer state, RNG stream, data position or routing count."""
+    if not isinstance(run.model, torch.nn.parallel.DistributedDataParallel):
+        return
+    cpu = torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state(run.dev) if run.dev.type == "cuda" else None
+    x = torch.zeros(run.cfg.batch, run.cfg.seq_len, dtype=torch.long, device=run.dev)
+    bf16 = run.cfg.dtype == "bf16"
+    with torch.autocast(run.dev.type, dtype=torch.bfloat16, enabled=bf16):
+        logits, aux = run.model(x)
+        zero = (logits.float().sum() + aux) * 0.0
+    zero.backward()
+    run.opt.zero_grad(set_to_none=True)
+    for m in run.moe:
+        if m.expert_load is not None:
+            m.expert_load.zero_()
+        m.take_routing_stats()
+    torch.set_rng_state(cpu)
+    if gpu is not None:
+        torch.cuda.set_rng_state(gpu, run.dev)
+
+
 def _loop(run: Run, checker: failures.FiniteChecker | None) -> None:
     """The steps after the resumed one up to --stop-after / --steps: the LR, `train_step`, the
-    step line and metrics, and the periodic evals and saves."""
+    step line and metrics, and the periodic evals and saves. With --save-every, a fresh run
+    saves its initial state (step 0) first: the one state known to train on when the first
+    steps already diverge. A skipped step is not saved (its state is the one before it, and
+    may be where a divergence starts)."""
     cfg = run.cfg
-    advice = (
-        f". Lower --lr ({cfg.lr:g}) or --clip, resume from the last checkpoint, or rerun with "
-        "--check-finite to name the module where it starts"
-    )
+    if cfg.save and cfg.save_every and not cfg.resume:
+        _save(run, 0)
+    in_a_row = 0
     for step in range(run.start + 1, run.last + 1):
         run.where[:] = [step, "forward"]
         t0 = time.perf_counter()
@@ -145,7 +190,7 @@ def _loop(run: Run, checker: failures.FiniteChecker | None) -> None:
             checker.step = step
         rec = train_step(
             run.model, run.core, run.opt, run.next_batch, run.ep, clip=cfg.clip,
-            grad_accum=cfg.grad_accum, checker=checker, step=step, advice=advice,
+            grad_accum=cfg.grad_accum, checker=checker,
             autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
             on_phase=lambda p: run.where.__setitem__(1, p),
         )  # fmt: skip
@@ -154,15 +199,46 @@ def _loop(run: Run, checker: failures.FiniteChecker | None) -> None:
         for k, v in zip(PARTS, (rec.forward_s, rec.backward_s, rec.optimizer_s)):
             run.parts[k].append(v)
         _log(run, step, rec)
+        in_a_row = in_a_row + 1 if rec.skipped else 0
+        if in_a_row == MAX_SKIPPED:
+            _diverged(run, step, in_a_row)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != run.last:
             _eval(run, step)
-        if cfg.save and cfg.save_every and step % cfg.save_every == 0 and step != run.last:
+        saving = cfg.save and cfg.save_every and step % cfg.save_every == 0 and step != run.last
+        if saving and not rec.skipped:
             _save(run, step)
     run.bar.close()
 
 
+def _diverged(run: Run, step: int, n: int) -> None:
+    """Stop after `n` skipped steps in a row, the last `step`: every checkpoint of the state they
+    started from or later is set aside (rank 0 renames it diverged-step-N, `latest` goes back
+    to the newest one before), then every rank raises the same NonFiniteError naming it."""
+    cfg, first = run.cfg, step - n + 1
+    root = Path(cfg.save) if cfg.save else None
+    if run.rank == 0 and root is not None and root.is_dir():
+        set_aside(root, first - 1)  # the state of step first-1 gave the first skipped step
+    agree(True)  # rank 0's renames are done before any rank names `latest`
+    if root is not None and (root / "latest").is_file():
+        name = (root / "latest").read_text().strip()
+        good = f"last good checkpoint: {root / name}, which {root / 'latest'} names"
+        if any(root.glob("diverged-step-*")):
+            good += f" (those from step {first - 1} on are set aside as diverged-step-*)"
+        good += ": resume it"
+    else:
+        good = "no checkpoint before them: rerun from the start"
+    raise failures.NonFiniteError(
+        f"the run diverged: steps {first}-{step} had a non-finite loss or gradient norm and were "
+        f"skipped ({n} in a row, the most allowed; no weight changed in them); {good} with a "
+        f"lower --lr (now {cfg.lr:g}) or --clip (now {cfg.clip:g}), or other loss weights (now "
+        f"--aux-loss-weight {cfg.aux_loss_weight:g}, --z-loss-weight {cfg.z_loss_weight:g}); "
+        "--check-finite names the module where it starts"
+    )
+
+
 def _log(run: Run, step: int, rec: StepRecord) -> None:
-    """Rank 0: the metrics row, the step line (first, every --log-every, last), the bar."""
+    """Rank 0: the metrics row, the step line (first, every --log-every, last, and every skipped
+    step), the bar."""
     cfg, tps = run.cfg, run.tokens / run.times[-1]
     line = run.rank == 0 and (
         step == run.start + 1 or step % cfg.log_every == 0 or step == run.last
@@ -171,23 +247,26 @@ def _log(run: Run, step: int, rec: StepRecord) -> None:
     if run.metrics:
         ms = {k: round(1e3 * run.parts[k][-1], 3) for k in PARTS}
         load = run.metrics.write(
-            step, rec.loss, lr_at(step, cfg), float(rec.grad_norm), tps, ms, line=line
-        )
-    if line:
+            step, rec.loss, lr_at(step, cfg), float(rec.grad_norm), tps, ms,
+            line=line or rec.skipped, skipped=rec.skipped,
+        )  # fmt: skip
+    if line or (run.rank == 0 and rec.skipped):
+        skipped = "  SKIPPED (non-finite: no weight changed)" if rec.skipped else ""
         run.bar.print(
             f"step {step:4d}  loss {rec.loss:.4f}  lr {lr_at(step, cfg):.2e}  "
             f"grad norm {rec.grad_norm:.3f}  tokens/s {tps:,.0f}  "
             f"(fwd {1e3 * rec.forward_s:.0f} ms, bwd {1e3 * rec.backward_s:.0f} ms, "
-            f"opt {1e3 * rec.optimizer_s:.0f} ms)" + (f"  {load}" if load else "")
+            f"opt {1e3 * rec.optimizer_s:.0f} ms){skipped}" + (f"  {load}" if load else "")
         )
     run.bar.update(step, run.start + 1, rec.loss)
 
 
-def _eval(run: Run, step: int) -> None:
+def _eval(run: Run, step: int) -> float:
     run.where[1] = "eval"
     run.evals.append([step, evaluate(run.core, run.windows, run.cfg.batch)])
     if run.rank == 0:
         run.bar.print(f"step {step:4d}  eval loss {run.evals[-1][1]:.4f}")
+    return run.evals[-1][1]
 
 
 @stop_deferred()  # SIGINT/SIGTERM to the launcher: a save in progress completes first
@@ -208,6 +287,11 @@ def _finish(run: Run) -> None:
     cfg, last = run.cfg, run.last
     if cfg.eval_seqs and (not run.evals or run.evals[-1][0] != last):
         _eval(run, last)
+    if cfg.eval_seqs and not math.isfinite(run.evals[-1][1]):  # the same value on every rank
+        raise failures.NonFiniteError(
+            f"the final eval loss (step {last}) is {run.evals[-1][1]}: the model is broken, so it "
+            f"is not saved; {_last_good(cfg)}"
+        )
     if cfg.save and run.times:
         _save(run, last)
         if run.rank == 0:
@@ -217,6 +301,13 @@ def _finish(run: Run) -> None:
         checkpoint.export_model(run.core, cfg.export, step=last, meta={"args": cfg.settings()})
         if run.rank == 0:
             print(f"exported: {cfg.export}", flush=True)
+
+
+def _last_good(cfg: TrainConfig) -> str:
+    root = Path(cfg.save) if cfg.save else None
+    if root is not None and (root / "latest").is_file():
+        return f"last good checkpoint: {root / (root / 'latest').read_text().strip()}"
+    return "no checkpoint was saved"
 
 
 def _summary(run: Run) -> dict:
@@ -265,6 +356,10 @@ def _main(a: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun / srun
     apply_resume(a)  # the saved run's arguments, where this command line gives none
     cfg = TrainConfig.from_args(a)
+    if cfg.resume and (not torchrun or os.environ.get("RANK") == "0"):
+        # every file against its digest before any rank starts (under torchrun: rank 0's
+        # launcher process, before the group forms; the ranks check again as they load)
+        checkpoint.verify(cfg.resume, allow_unverified=cfg.allow_unverified_checkpoint)
     # Every setting is checked before a rank starts (under torchrun: before the group forms).
     cfg.validate(int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc)
     if (line := nothing_to_do(cfg)) is not None:

@@ -64,14 +64,16 @@ class Metrics:
             self.tb = SummaryWriter(a.tensorboard)
 
     def write(self, step: int, loss: float, lr: float, gnorm: float, tps: float, parts: dict,
-              *, line: bool = False) -> str:  # fmt: skip
+              *, line: bool = False, skipped: bool = False) -> str:  # fmt: skip
         """Record step `step`; returns the load summary for its step line when `line` ("" if
-        none), e.g. "overload 1.42 drop 0.8%"."""
+        none), e.g. "overload 1.42 drop 0.8%". `skipped`: the step's loss or gradient norm was
+        not finite and no weight changed (non-finite values are written as null)."""
         if not (self.every_step or line):
             return ""
         per_layer = [m.take_load_metrics() for m in self.moe]
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-               "step_ms": parts, "moe": [p.as_dict() if p else None for p in per_layer]}  # fmt: skip
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm, "skipped": skipped,
+               "tokens_per_s": tps, "step_ms": parts,
+               "moe": [p.as_dict() if p else None for p in per_layer]}  # fmt: skip
         if self.file:
             self.file.write(json.dumps(finite_or_none(row)) + "\n")
             self.file.flush()

@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..checkpoint import store as checkpoint
+from ..checkpoint.meta import read_meta
 from .config import flag
 
 __all__ = ["apply_resume", "nothing_to_do"]
 
 
 def _saved(a: argparse.Namespace) -> tuple[Path, dict]:
-    """(the checkpoint folder --resume names, its meta.json)."""
+    """(the checkpoint folder --resume names, its meta.json, checked: `read_meta`)."""
     folder = checkpoint.resolve(a.resume)
-    return folder, json.loads((folder / "meta.json").read_text())
+    allow = bool(getattr(a, "allow_unverified_checkpoint", False))
+    return folder, read_meta(folder, allow_unverified=allow)
 
 
 # The model's shape: a resumed run takes these from the checkpoint; a different value is an error.
 SHAPE = ("model_dim", "hidden_dim", "experts", "layers", "heads", "moe_every", "seq_len",
          "activation", "expert_bias")  # fmt: skip
 # Where this invocation writes, and where it stops: never taken from the saved run.
-NOT_RESUMED = ("resume", "save", "stop_after", "export", "plot", "log_file", "tensorboard")
+NOT_RESUMED = ("resume", "save", "stop_after", "export", "plot", "log_file", "tensorboard",
+               "allow_unverified_checkpoint")  # fmt: skip
 # Flags renamed since a checkpoint may have been written: saved name -> current name.
 RENAMED = {"dim": "model_dim", "hidden": "hidden_dim", "compress": "compressor",
            "compress_backward": "compressor_backward", "compress_option": "compressor_option",

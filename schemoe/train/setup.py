@@ -158,7 +158,9 @@ def restore(run: Run) -> None:
     cfg, rank = run.cfg, run.rank
     if not cfg.resume:
         return
-    got = checkpoint.load(cfg.resume, run.core, run.opt)
+    got = checkpoint.load(
+        cfg.resume, run.core, run.opt, allow_unverified=cfg.allow_unverified_checkpoint
+    )
     run.start = got.step
     run.losses = list(got.meta.get("losses", []))[: run.start]
     run.evals = list(got.meta.get("evals", []))

@@ -2,7 +2,11 @@
 times, so the benchmark measures exactly the step the trainer takes.
 
     rec = train_step(model, core, opt, batches, ep, clip=1.0, grad_accum=2)
-    rec.loss, rec.grad_norm, rec.forward_s, rec.backward_s, rec.optimizer_s
+    rec.loss, rec.grad_norm, rec.skipped, rec.forward_s, rec.backward_s, rec.optimizer_s
+
+A step whose loss or gradient norm is not finite changes nothing: its optimizer step (and the
+expert-bias update) is skipped on every rank alike, and `rec.skipped` says so; the caller
+decides how many in a row end the run (`schemoe train`: loop.MAX_SKIPPED).
 
 The model's contract: `model(x_BL)` returns (logits_BLV, aux), aux a scalar loss (the MoE
 layers' auxiliary losses). Nothing here knows the model's class.
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dist import failures
+from ..dist.devices import control_tensor
 from ..layer.moe import MoELayer
 from ..layer.parallel import ExpertParallel, average_expert_gradients, clip_grad_norm_
 
@@ -33,14 +38,17 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens_BL, targets_BL) on the mode
 @dataclass(frozen=True)
 class StepRecord:
     """One optimizer step: the loss (mean over micro-batches and ranks), the global gradient
-    norm before clipping, and the host wall time of its parts (forward: fetching the batches,
-    forward and loss; backward; optimizer: the rest, from the expert-gradient average on)."""
+    norm before clipping (NaN when the loss was not finite), and the host wall time of its parts
+    (forward: fetching the batches, forward and loss; backward; optimizer: the rest, from the
+    expert-gradient average on). `skipped`: the loss or the gradient norm was not finite, so
+    no weight, optimizer state or expert bias changed."""
 
     loss: float
     grad_norm: float
     forward_s: float
     backward_s: float
     optimizer_s: float
+    skipped: bool = False
 
 
 def _size(group) -> int:
@@ -69,16 +77,22 @@ def train_step(
        (`autocast_dtype`, None: off), cross-entropy in fp32, backward of (loss + aux) /
        grad_accum; DDP's `no_sync()` on all but the last, so it all-reduces once.
     2. the loss, mean over micro-batches and the ranks of `group` (None: the default group):
-       one all-reduce, one HOST SYNC; non-finite raises failures.NonFiniteError before any
-       optimizer step (`step` and `advice` go into its message).
+       one all-reduce, one HOST SYNC; not finite: skip to 4.
     3. average_expert_gradients over `ep` (None: the MoE layers' own group), then
-       clip_grad_norm_ to `clip` (0: measure only; HOST SYNC), optimizer step, and the
-       aux-loss-free expert bias update of every MoE layer of `core` that has one.
+       clip_grad_norm_ to `clip` (0: measure only; HOST SYNC). Whether the norm is finite is
+       agreed over `group` (one all-reduce of one int): the dense part is the same on every
+       rank after the data-parallel all-reduce and the expert part is all-reduced over the EP
+       group, so the norms agree already, but a skip must be the same decision everywhere, so
+       it is made one. Finite: optimizer step and the aux-loss-free expert bias update of every
+       MoE layer of `core` that has one.
+    4. not finite (loss or norm): no optimizer step; the gradients are dropped and the routing
+       load counted for the bias update is reset, so the step leaves no trace but `skipped`.
 
     `model` is `core` or its data-parallel wrapper; `checker` (--check-finite) checks each
     micro-batch's loss and, after averaging, the gradients; `on_phase` hears "forward",
     "backward", "optimizer" as they begin (for failure reports). Collective: every rank of
-    the groups calls it with the same `grad_accum`."""
+    the groups calls it with the same `grad_accum`. `step` and `advice` are accepted for
+    callers of the version that raised on a non-finite loss, and unused."""
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
     phase = on_phase or (lambda _: None)
@@ -112,22 +126,34 @@ def train_step(
         dist.all_reduce(stat, group=group)
         stat /= n
     mean = stat.item()  # host sync: decides whether to go on
-    if not math.isfinite(mean):
-        at = f" at step {step}" if step is not None else ""
-        raise failures.NonFiniteError(
-            f"non-finite loss {mean} (mean over ranks){at}: the run diverged; no optimizer step "
-            f"was taken with it{advice}"
-        )
     t0 = time.perf_counter()
     phase("optimizer")
-    average_expert_gradients(core, ep)  # the mean-loss gradient, as DDP's dense ones
-    if checker:
-        checker.check_grads()
-    gnorm = clip_grad_norm_(core, clip, ep)
-    opt.step()
+    gnorm, ok = math.nan, math.isfinite(mean)  # the same on every rank: an all-reduced mean
+    if ok:
+        average_expert_gradients(core, ep)  # the mean-loss gradient, as DDP's dense ones
+        if checker:
+            checker.check_grads()
+        gnorm = clip_grad_norm_(core, clip, ep)
+        ok = _everywhere(math.isfinite(gnorm), group)
+    if ok:
+        opt.step()
+    else:
+        opt.zero_grad(set_to_none=True)
     # The bias moves once per optimizer step, from the load of all its micro-batches and ranks.
     dp_group = ep.dp_group if ep is not None and ep.dp_size > 1 else None
     for m in core.modules():
         if isinstance(m, MoELayer) and m.expert_bias is not None:
-            m.update_expert_bias(dp_group)
-    return StepRecord(mean, gnorm, fwd, bwd, time.perf_counter() - t0)
+            if ok:
+                m.update_expert_bias(dp_group)
+            else:
+                m.expert_load.zero_()  # as update_expert_bias leaves it: this step never counted
+    return StepRecord(mean, gnorm, fwd, bwd, time.perf_counter() - t0, skipped=not ok)
+
+
+def _everywhere(ok: bool, group) -> bool:
+    """Whether `ok` holds on every rank of `group` (one all-reduce of one int; HOST SYNC)."""
+    if _size(group) == 1:
+        return ok
+    flag = control_tensor([int(ok)], dtype=torch.int64, group=group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

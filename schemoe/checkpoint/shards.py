@@ -1,0 +1,86 @@
+"""Which tensors a rank holds in a checkpoint: experts keyed by global index, the rest (dense
+weights, their optimizer state) on rank 0; see store.py for the layout."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..experts.ffn import ModuleExperts
+from ..layer.moe import MoELayer
+from ..layer.parallel import is_expert_param
+
+__all__ = ["bare", "expert_keys", "finite", "optim_names", "rank_files"]
+
+
+def bare(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def expert_keys(model: nn.Module) -> dict[str, list[tuple[str, int | None]]]:
+    """Parameter name -> [(storage key, local row or None for the whole tensor)] per expert."""
+    out: dict[str, list[tuple[str, int | None]]] = {}
+    for ln, layer in model.named_modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        first = layer.expert_slice().start
+        pre = f"{ln}." if ln else ""
+        for pn, p in layer.named_parameters():
+            if not is_expert_param(p):
+                continue
+            m = re.fullmatch(r"experts\.experts\.(\d+)\.(.+)", pn)
+            if isinstance(layer.experts, ModuleExperts) and m:
+                out[pre + pn] = [(f"{pre}experts.experts.{first + int(m[1])}.{m[2]}", None)]
+            else:  # stacked: dim 0 is the local expert
+                out[pre + pn] = [(f"{pre}{pn}[{first + i}]", i) for i in range(p.shape[0])]
+    return out
+
+
+def optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its state_dict index order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def finite(tensors: dict[str, torch.Tensor]) -> bool:
+    # a host sync per tensor, at save time only
+    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
+
+
+def rank_files(model: nn.Module, optimizer, rng, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's files: name -> tensors (copies), dense.pt on rank 0 only."""
+    experts = expert_keys(model)
+    state = optimizer.state if optimizer is not None else {}
+    params = dict(model.named_parameters())
+    dense: dict[str, torch.Tensor] = {}
+    mine: dict[str, torch.Tensor] = {}
+    # clone(): torch.save of a view would store the whole underlying tensor
+    for name, t in model.state_dict().items():
+        if name in experts:
+            for key, i in experts[name]:
+                mine[f"model/{key}"] = (t if i is None else t[i]).detach().clone()
+        else:
+            dense[f"model/{name}"] = t.detach().clone()
+    for name, p in params.items():
+        for k, v in state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(
+                    f"optimizer state {k!r} of {name} is a {type(v).__name__}; "
+                    "only tensor states can be checkpointed"
+                )
+            if name not in experts:
+                dense[f"optim/{k}/{name}"] = v.detach().clone()
+                continue
+            if experts[name][0][1] is not None and v.shape != p.shape:
+                # stacked experts, a state that does not shard like the weight (AdamW's step)
+                mine[f"optim/{k}/{name}"] = v.detach().clone()
+                continue
+            for key, i in experts[name]:
+                mine[f"optim/{k}/{key}"] = (v if i is None else v[i]).detach().clone()
+    files = {"dense.pt": dense} if rank == 0 else {}
+    files[f"experts-{rank:05d}.pt"] = mine
+    if rng is not None:
+        files[f"rng-{rank:05d}.pt"] = dict(rng)
+    return files
