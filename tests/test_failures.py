@@ -34,7 +34,8 @@ TIMEOUT = 4.0  # the collective timeout (--timeout) of these runs, seconds
 
 
 def _rank(rank: int, port: int, mode: str, fault_at, results) -> None:
-    """Rank 1 misbehaves in its 3rd MoE forward (step 3, one MoE layer); rank 0 reports."""
+    """Rank 1 misbehaves in its 4th MoE forward (step 3, one MoE layer: the first is the pass
+    that lays out DDP's buckets before step 1, `loop.settle_buckets`); rank 0 reports."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE="2",
@@ -50,7 +51,7 @@ def _rank(rank: int, port: int, mode: str, fault_at, results) -> None:
 
         def faulty(self, x):
             calls[0] += 1
-            if calls[0] == 3:
+            if calls[0] == 4:
                 fault_at.value = time.monotonic()
                 if mode == "raises":
                     raise RuntimeError("injected failure")
