@@ -96,6 +96,23 @@ def test_round_trip_gathers_experts_from_two_expert_parallel_ranks(name, tmp_pat
     ranks(2).run(_two_ranks, name, str(tmp_path))
 
 
+def _write_into_a_file(rank: int, world: int, path: str) -> str:
+    conv = _trained("mixtral")
+    try:
+        save_pretrained(conv, path)
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "returned"
+
+
+def test_a_failed_write_on_rank_0_raises_on_every_rank_instead_of_hanging(tmp_path, ranks):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    got = ranks(2).run(_write_into_a_file, str(path))
+    assert got[0] == f"ValueError: {path} is a file; save_pretrained writes a folder"
+    assert got[1] == f"RuntimeError: rank 0 failed to write {path} (see its error)"
+
+
 def test_expert_layout_conversion_back_is_the_exact_inverse_with_gate_rows_first():
     E, I, M = 3, 2, 4
     gate_up = torch.arange(E * 2 * I * M, dtype=torch.float32).view(E, 2 * I, M)

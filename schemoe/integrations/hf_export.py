@@ -183,6 +183,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> None
     ok = True
     try:
         if rank == 0:
+            if os.path.isfile(path):  # transformers would log it and return, writing nothing
+                raise ValueError(f"{path} is a file; save_pretrained writes a folder")
             _bare(model).save_pretrained(path, state_dict=state, is_main_process=True, **kwargs)
     except BaseException:
         ok = False
