@@ -20,6 +20,7 @@ from hf_cases import FAMILIES, build
 from moe_cases import close
 from schemoe.integrations.hf import replace_moe_blocks, to_schemoe_experts
 from schemoe.integrations.hf_export import (
+    _to_schemoe,
     from_schemoe_experts,
     hf_state_dict,
     load_hf_state_dict,
@@ -124,6 +125,13 @@ def test_expert_layout_conversion_back_is_the_exact_inverse_with_gate_rows_first
     back = from_schemoe_experts(ours)
     assert torch.equal(back["experts.gate_up_proj"], gate_up)
     assert torch.equal(back["experts.down_proj"], down)
+    transposed = from_schemoe_experts(ours, "fused_t")  # Llama 4: [E, M, 2I], [E, I, M]
+    assert torch.equal(transposed["experts.gate_up_proj"], gate_up.transpose(1, 2))
+    assert torch.equal(transposed["experts.down_proj"], down.transpose(1, 2))
+    again = _to_schemoe(
+        transposed["experts.gate_up_proj"], transposed["experts.down_proj"], "fused_t"
+    )
+    assert all(torch.equal(again[n], t) for n, t in ours.items())
 
 
 def test_unconverted_model_and_foreign_state_dicts_are_refused_by_name():

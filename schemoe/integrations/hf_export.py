@@ -13,12 +13,16 @@ A converted block (`HFMoEBlock`) keeps the family's router and shared-expert mod
 own names, their tensors tied to the MoELayer's; only the routed experts change layout. The
 family's state dict is therefore the converted model's, less every `<block>.moe.*` name (the
 same tensors again, or the layer's routing statistics), plus the routed experts in the family's
-layout (transformers 5.x, every MoE family it stores fused):
+layout (transformers 5.x stores them fused), gathered from the expert-parallel ranks (a
+collective):
 
-    <block>.experts.gate_up_proj [E, 2I, M] = cat(w1_EMH^T, w3_EMH^T)   (gate rows first)
-    <block>.experts.down_proj    [E, M, I]  = w2_EHM^T
+    fused (Mixtral and most)  <block>.experts.gate_up_proj [E, 2I, M] = cat(w1_EMH^T, w3_EMH^T)
+                              <block>.experts.down_proj    [E, M, I]  = w2_EHM^T
+    fused_t (Llama 4)         gate_up_proj [E, M, 2I] = cat(w1_EMH, w3_EMH), down_proj = w2_EHM
+    per_expert (GPT-OSS)      row e of each family tensor = that tensor of expert e's module
 
-gathered from the expert-parallel ranks (`MoELayer.global_state`, a collective). The result is
+A block's family spec (`block.spec`, where the conversion gives one) names its layout and its
+tensors (`spec.weights(block)`); a block without one has Mixtral's / Qwen2-MoE's. The result is
 checked against the family's own layout (the class built on the meta device: no memory, no
 weights): a converted block whose weights do not map back exactly is refused, not written.
 `model.save_pretrained(path, state_dict=hf_state_dict(model))` is what `save_pretrained` runs on
@@ -57,20 +61,96 @@ __all__ = [
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
 
 
-def from_schemoe_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_schemoe_experts(
+    state: Mapping[str, torch.Tensor], layout: str = "fused"
+) -> dict[str, torch.Tensor]:
     """The inverse of `to_schemoe_experts`: the family's fused expert weights.
 
     Args:
         state: MoELayer tensors (names relative to the layer) holding all E experts:
             experts.w1_EMH, experts.w3_EMH [E, M, I] and experts.w2_EHM [E, I, M].
+        layout: "fused" (Mixtral and most: gate_up_proj [E, 2I, M], gate rows first,
+            down_proj [E, M, I]) or "fused_t" (Llama 4: gate_up_proj [E, M, 2I], gate columns
+            first, down_proj [E, I, M]).
 
     Returns:
-        {"experts.gate_up_proj": [E, 2I, M] (gate rows first), "experts.down_proj": [E, M, I]},
-        names relative to the family's block.
+        {"experts.gate_up_proj", "experts.down_proj"} in `layout`, names relative to the block.
     """
     w1, w3, w2 = state["experts.w1_EMH"], state["experts.w3_EMH"], state["experts.w2_EHM"]
+    if layout == "fused_t":
+        return {GATE_UP: torch.cat([w1, w3], dim=2).contiguous(), DOWN: w2.contiguous()}
+    if layout != "fused":
+        raise ValueError(f"layout must be 'fused' or 'fused_t', got {layout!r}")
     gate_up = torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=1).contiguous()
     return {GATE_UP: gate_up, DOWN: w2.transpose(1, 2).contiguous()}
+
+
+def _to_schemoe(gate_up: torch.Tensor, down: torch.Tensor, layout: str) -> dict:
+    """`from_schemoe_experts`'s inverse for `layout` (MoELayer's expert tensors)."""
+    if layout == "fused":
+        return to_schemoe_experts(gate_up, down)
+    assert layout == "fused_t", layout
+    inter = down.shape[1]
+    w1, w3 = gate_up[..., :inter].contiguous(), gate_up[..., inter:].contiguous()
+    return {"experts.w1_EMH": w1, "experts.w3_EMH": w3, "experts.w2_EHM": down.contiguous()}
+
+
+def _expert_links(block: HFMoEBlock) -> tuple[list, str]:
+    """The block's routed-expert tensors as (family name, MoELayer names, kind) links and the
+    family's expert layout: from the block's family spec (`spec.weights`, `spec.experts`) where
+    it has one, else Mixtral's / Qwen2-MoE's fused pair. Kinds: "experts" (a layout conversion
+    of MoELayer's experts.w1_EMH / w3_EMH / w2_EHM) and "per_expert" (`moe` a name template with
+    {e}, the local expert index, whose tensor is row first + e of the family's, same layout)."""
+    spec = getattr(block, "spec", None)
+    if spec is None:
+        return [(GATE_UP, (), "experts"), (DOWN, (), "experts")], "fused"
+    links = [(w.hf, w.moe, w.kind) for w in spec.weights(block) if w.kind != "tied"]
+    unknown = sorted({kind for _, _, kind in links} - {"experts", "per_expert"})
+    if unknown:
+        raise TypeError(f"{spec.family}: weight links of kind {unknown} are not written back")
+    return links, spec.experts
+
+
+def _gather_rows(local: torch.Tensor, moe) -> torch.Tensor:
+    """[El, ...] of every expert-parallel rank -> [E, ...] in global expert order (collective)."""
+    if moe.topology.world == 1:
+        return local.clone()
+    parts = [torch.empty_like(local) for _ in range(moe.topology.world)]
+    dist.all_gather(parts, local.contiguous(), group=moe.topology.group)
+    return torch.cat(parts)
+
+
+def _family_experts(block: HFMoEBlock) -> dict[str, torch.Tensor]:
+    """The block's routed experts in the family's names (relative to the block) and layout,
+    every expert (collective over the block's expert-parallel group)."""
+    links, layout = _expert_links(block)
+    if all(kind == "experts" for _, _, kind in links):
+        return from_schemoe_experts(block.moe.global_state(), layout)  # all-gather
+    own = block.state_dict(keep_vars=True)
+    out = {}
+    for hf, moe, kind in links:
+        assert kind == "per_expert" and len(moe) == 1, (hf, moe, kind)
+        local = torch.stack([own[moe[0].format(e=e)].detach() for e in range(block.moe.num_local)])
+        out[hf] = _gather_rows(local, block.moe)
+    return out
+
+
+@torch.no_grad()
+def _load_family_experts(block: HFMoEBlock, state: dict, prefix: str) -> None:
+    """Pop the block's routed experts (family names and layout, every expert) from `state` into
+    its MoELayer, this rank's experts only."""
+    links, layout = _expert_links(block)
+    absent = [prefix + hf for hf, _, _ in links if prefix + hf not in state]
+    if absent:
+        raise ValueError(f"the state dict has no {absent}: not this family's layout")
+    full = {hf: state.pop(prefix + hf) for hf, _, _ in links}
+    if all(kind == "experts" for _, _, kind in links):
+        block.moe.load_global_state(_to_schemoe(full[GATE_UP], full[DOWN], layout))
+        return
+    own, first = block.state_dict(keep_vars=True), block.moe.expert_slice().start
+    for hf, moe, _ in links:
+        for e in range(block.moe.num_local):
+            own[moe[0].format(e=e)].copy_(full[hf][first + e])
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -155,7 +235,7 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {n: t.detach() for n, t in model.state_dict().items() if not n.startswith(inner)}
     for prefix, block in blocks:
         _check_tied(prefix, block)
-        experts = from_schemoe_experts(block.moe.global_state())  # all-gather over the EP group
+        experts = _family_experts(block)  # all-gather over the block's expert-parallel group
         out.update({prefix + n: t for n, t in experts.items()})
     _check_layout(model, out)
     return out
@@ -208,11 +288,7 @@ def load_hf_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
     blocks = _blocks(model)
     for prefix, block in blocks:
         _check_tied(prefix, block)
-        names = [prefix + GATE_UP, prefix + DOWN]
-        absent = [n for n in names if n not in state]
-        if absent:
-            raise ValueError(f"the state dict has no {absent}: not this family's layout")
-        block.moe.load_global_state(to_schemoe_experts(*(state.pop(n) for n in names)))
+        _load_family_experts(block, state, prefix)
     missing, unexpected = model.load_state_dict(state, strict=False)
     inner = tuple(f"{prefix}moe." for prefix, _ in blocks)
     missing = [n for n in missing if not n.startswith(inner)]  # tied to loaded names, or counts
