@@ -108,7 +108,7 @@ def _expert_links(block: HFMoEBlock) -> tuple[list, str]:
     unknown = sorted({kind for _, _, kind in links} - {"experts", "per_expert"})
     if unknown:
         raise TypeError(f"{spec.family}: weight links of kind {unknown} are not written back")
-    return links, spec.experts
+    return links, getattr(spec, "experts", "fused")
 
 
 def _gather_rows(local: torch.Tensor, moe) -> torch.Tensor:
