@@ -1,0 +1,251 @@
+"""The Hugging Face MoE families schemoe converts, as data: how each family routes and where each
+of its block's weights lives in the MoELayer that replaces it.
+
+Legend: E experts, M model dim (HF's hidden size), I expert intermediate size.
+
+Read from the modeling files of transformers 5.25 (one `FamilySpec` per family below):
+
+    family       router                                            shared experts
+    mixtral      softmax, top-k, renormalised; input jitter (train) -
+    qwen2_moe    softmax, top-k, renormalised iff norm_topk_prob   1, sigmoid-gated
+    qwen3_moe    softmax, top-k, renormalised iff norm_topk_prob   -
+    qwen3_next   as qwen2_moe                                      1, sigmoid-gated
+    minimax      as mixtral                                        -
+    olmoe        as qwen3_moe                                      -
+    flex_olmo    as qwen3_moe                                      -
+    granitemoe   softmax of the top-k logits (= softmax, top-k,    -
+                 renormalised)
+    granitemoeshared  as granitemoe (its shared MLP is outside the block, left as it is)
+    deepseek_v2  softmax, top-k ("greedy"), never renormalised,    n_shared_experts, ungated
+                 x routed_scaling_factor
+    deepseek_v3  sigmoid; e_score_correction_bias for selection;   n_shared_experts, ungated
+                 group-limited (n_group, topk_group; group score =
+                 sum of its 2 best); renormalised iff norm_topk_prob;
+                 x routed_scaling_factor
+    glm4_moe     as deepseek_v3                                    n_shared_experts, ungated
+
+Every routed expert is y = down (silu(gate x) * (up x)), weights fused as gate_up_proj [E, 2I, M]
+(gate rows first) and down_proj [E, M, I]; MoELayer's swiglu experts hold w1 = gate^T [E, M, I],
+w3 = up^T, w2 = down^T [E, I, M] (`to_moe_experts` / `from_moe_experts`, exact inverses).
+
+Weights after conversion (a converted block keeps the family's router and shared-expert modules
+under their own names, their tensors tied to the MoELayer's): `FamilySpec.weights(block)` lists,
+for each of the original block's parameters and buffers (names relative to the block), the
+MoELayer tensor (relative to the converted block: "moe.<name>") that holds it, and whether it is
+the same tensor ("tied", same layout) or a layout conversion ("experts", through the functions
+above). That mapping is stable: it is what saving a converted model in the family's layout reads.
+
+Refused, with the reason (`REFUSED`): families whose routing or experts MoELayer does not compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "FAMILIES",
+    "REFUSED",
+    "FamilySpec",
+    "WeightLink",
+    "family_of",
+    "from_moe_experts",
+    "to_moe_experts",
+]
+
+GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"
+MOE_EXPERTS = ("experts.w1_EMH", "experts.w3_EMH", "experts.w2_EHM")
+
+
+def to_moe_experts(gate_up_EIM: torch.Tensor, down_EMI: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A family's fused expert weights (or their gradients), gate_up [E, 2I, M] (gate rows
+    first) and down [E, M, I], as MoELayer's swiglu expert tensors (names relative to the
+    MoELayer: experts.w1_EMH, experts.w3_EMH [E, M, I], experts.w2_EHM [E, I, M])."""
+    inter = down_EMI.shape[-1]
+    return {
+        "experts.w1_EMH": gate_up_EIM[:, :inter].transpose(1, 2).contiguous(),
+        "experts.w3_EMH": gate_up_EIM[:, inter:].transpose(1, 2).contiguous(),
+        "experts.w2_EHM": down_EMI.transpose(1, 2).contiguous(),
+    }
+
+
+def from_moe_experts(moe: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `to_moe_experts`: {"experts.gate_up_proj" [E, 2I, M],
+    "experts.down_proj" [E, M, I]} (names relative to the family's block) from MoELayer's
+    experts.w1_EMH, experts.w3_EMH, experts.w2_EHM (all E experts: gather them first)."""
+    w1, w3, w2 = (moe[n] for n in MOE_EXPERTS)
+    gate_up = torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=1).contiguous()
+    return {GATE_UP: gate_up, DOWN: w2.transpose(1, 2).contiguous()}
+
+
+@dataclass(frozen=True)
+class WeightLink:
+    """Where one of the original block's tensors lives in the converted block.
+
+    Attributes:
+        hf: its name relative to the original block (e.g. "gate.weight").
+        moe: the MoELayer tensors that hold it, relative to the converted block
+            (e.g. ("moe.gate_weight",) or the three expert tensors).
+        kind: "tied" (the converted block keeps `hf` under the same name, and it IS the
+            MoELayer tensor: same storage, same layout) or "experts" (a layout conversion:
+            `to_moe_experts` / `from_moe_experts`; MoELayer holds this rank's experts only).
+    """
+
+    hf: str
+    moe: tuple[str, ...]
+    kind: str
+
+
+# The shared MLP's linears, in the order of MoELayer's shared tensors w1 (gate), w3 (up), w2.
+SHARED_LINEARS = (("gate_proj", "w1_HM"), ("up_proj", "w3_HM"), ("down_proj", "w2_MH"))
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One family's MoE block as MoELayer computes it.
+
+    Attributes:
+        family: the transformers model type (e.g. "deepseek_v3").
+        blocks: the block class names of this family.
+        router: the block's attribute holding the router (its `.weight` is [E, M]).
+        score: "softmax" or "sigmoid" (GateConfig.score).
+        renormalize: True / False, or the router attribute that says (e.g. "norm_topk_prob").
+        scale: the router attribute holding routed_scaling_factor, or None (1).
+        groups: the router attributes (groups, kept groups) of group-limited routing, or None.
+        correction_bias: the router buffer added to the scores for selection only, or None.
+        shared: the block's attribute holding the shared-expert MLP, or None.
+        shared_gate: the block's attribute holding its [M -> 1] sigmoid gate, or None.
+        jitter: the block's attribute holding the training-time input jitter, or None.
+    """
+
+    family: str
+    blocks: tuple[str, ...]
+    router: str = "gate"
+    score: str = "softmax"
+    renormalize: bool | str = True
+    scale: str | None = None
+    groups: tuple[str, str] | None = None
+    correction_bias: str | None = None
+    shared: str | None = None
+    shared_gate: str | None = None
+    jitter: str | None = None
+
+    def weights(self, block: nn.Module | None = None) -> tuple[WeightLink, ...]:
+        """Every tensor of the original block and where the converted block holds it (see the
+        module docstring). `block` (the original or the converted one) decides the optional
+        parts; None lists all the family can have."""
+        links = [
+            WeightLink(GATE_UP, MOE_EXPERTS[:2], "experts"),
+            WeightLink(DOWN, MOE_EXPERTS[2:], "experts"),
+            WeightLink(f"{self.router}.weight", ("moe.gate_weight",), "tied"),
+        ]
+        if self.correction_bias is not None:
+            name = f"{self.router}.{self.correction_bias}"
+            links.append(WeightLink(name, ("moe.expert_bias",), "tied"))
+        if self.shared is not None and (block is None or getattr(block, self.shared, None)):
+            for hf, ours in SHARED_LINEARS:
+                links.append(
+                    WeightLink(f"{self.shared}.{hf}.weight", (f"moe.shared.{ours}",), "tied")
+                )
+            if self.shared_gate is not None:
+                links.append(
+                    WeightLink(f"{self.shared_gate}.weight", ("moe.shared.gate_1M",), "tied")
+                )
+        return tuple(links)
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.family: spec
+    for spec in (
+        FamilySpec(family="mixtral", blocks=("MixtralSparseMoeBlock",), jitter="jitter_noise"),
+        FamilySpec(
+            family="qwen2_moe",
+            blocks=("Qwen2MoeSparseMoeBlock",),
+            renormalize="norm_topk_prob",
+            shared="shared_expert",
+            shared_gate="shared_expert_gate",
+        ),
+        FamilySpec(
+            family="qwen3_moe", blocks=("Qwen3MoeSparseMoeBlock",), renormalize="norm_topk_prob"
+        ),
+        FamilySpec(family="olmoe", blocks=("OlmoeSparseMoeBlock",), renormalize="norm_topk_prob"),
+        FamilySpec(
+            family="flex_olmo", blocks=("FlexOlmoSparseMoeBlock",), renormalize="norm_topk_prob"
+        ),
+        FamilySpec(
+            family="qwen3_next",
+            blocks=("Qwen3NextSparseMoeBlock",),
+            renormalize="norm_topk_prob",
+            shared="shared_expert",
+            shared_gate="shared_expert_gate",
+        ),
+        FamilySpec(family="minimax", blocks=("MiniMaxSparseMoeBlock",), jitter="jitter_noise"),
+        FamilySpec(family="granitemoe", blocks=("GraniteMoeMoE",), router="router"),
+        # Its shared MLP sits in the decoder layer, outside the block: only the block changes.
+        FamilySpec(family="granitemoeshared", blocks=("GraniteMoeSharedMoE",), router="router"),
+        FamilySpec(
+            family="deepseek_v2",
+            blocks=("DeepseekV2Moe",),
+            renormalize=False,
+            scale="routed_scaling_factor",
+            shared="shared_experts",
+        ),
+        FamilySpec(
+            family="deepseek_v3",
+            blocks=("DeepseekV3MoE",),
+            score="sigmoid",
+            renormalize="norm_topk_prob",
+            scale="routed_scaling_factor",
+            groups=("num_group", "topk_group"),
+            correction_bias="e_score_correction_bias",
+            shared="shared_experts",
+        ),
+        FamilySpec(
+            family="glm4_moe",
+            blocks=("Glm4MoeMoE",),
+            score="sigmoid",
+            renormalize="norm_topk_prob",
+            scale="routed_scaling_factor",
+            groups=("num_group", "topk_group"),
+            correction_bias="e_score_correction_bias",
+            shared="shared_experts",
+        ),
+    )
+}
+
+# Block class name -> (family, why MoELayer cannot compute it exactly).
+REFUSED: dict[str, tuple[str, str]] = {
+    "GptOssMLP": (
+        "gpt_oss",
+        (
+            "its router adds a bias to the logits, its experts have biases and a clamped swiglu "
+            "((up + 1) * gate * sigmoid(1.702 gate), clamped at swiglu_limit) with gate and up "
+            "interleaved; MoELayer's router has no logit bias and its swiglu experts are "
+            "silu(gate) * up"
+        ),
+    ),
+    "Llama4TextMoe": (
+        "llama4",
+        (
+            "it scales each expert's INPUT by the sigmoid router score (expert(s * x)); MoELayer "
+            "scales the expert's output (s * expert(x)), which differs for a nonlinear expert"
+        ),
+    ),
+    "PhimoeSparseMoeBlock": (
+        "phimoe",
+        (
+            "its sparsemixer router (each choice's weight a softmax over the logits within a "
+            "relative threshold of that choice, Gumbel sampling and a Heun-method gradient in "
+            "training) is not top-k of one score distribution, which is all MoELayer routes"
+        ),
+    ),
+}
+
+
+def family_of(block: nn.Module) -> FamilySpec | None:
+    """The FamilySpec whose block class `block` is, or None."""
+    name = type(block).__name__
+    return next((s for s in FAMILIES.values() if name in s.blocks), None)
