@@ -93,13 +93,15 @@ class HFMoEBlock(nn.Module):
         spec: FamilySpec | None = None,
     ) -> None:
         super().__init__()
-        self.spec = spec or _DEFAULT
-        self.moe, self.jitter = moe, jitter
+        self.spec, self.jitter = spec or _DEFAULT, jitter
+        # The family's modules first: named_parameters() lists a tied tensor under its first
+        # name, so the router and shared experts keep their HF names there (and in optimizers).
         setattr(self, self.spec.router, router)
         if shared is not None:
             setattr(self, self.spec.shared, shared)
         if shared_gate is not None:
             setattr(self, self.spec.shared_gate, shared_gate)
+        self.moe = moe
 
     @property
     def family(self) -> str:
@@ -115,7 +117,10 @@ class HFMoEBlock(nn.Module):
         router(x_TM)  # only for the model's router-logit hooks (output_router_logits)
         if self.spec.correction_bias is not None:
             # The router's buffer, looked up per call: .to() and load_state_dict replace it.
-            self.moe.expert_bias = getattr(router, self.spec.correction_bias)
+            # as_subclass: a plain-tensor alias (same storage) of the family's nn.Buffer, which
+            # torch would otherwise try to register as a second buffer of `moe`.
+            bias = getattr(router, self.spec.correction_bias)
+            self.moe.expert_bias = bias.as_subclass(torch.Tensor)
         # aux is 0: the HF model adds its own balancing loss. The shared experts, if any, run
         # inside: their output is in y_TM.
         y_TM, _ = self.moe(x_TM)
