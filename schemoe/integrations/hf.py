@@ -258,6 +258,8 @@ def from_hf_block(
         moe.shared.w2_MH = shared.down_proj.weight
         if shared_gate is not None:
             moe.shared.gate_1M = shared_gate.weight
+    if spec.correction_bias is not None:  # re-aliased per call (see HFMoEBlock.forward)
+        moe.expert_bias = getattr(router, spec.correction_bias).as_subclass(torch.Tensor)
     jitter = getattr(block, spec.jitter, 0.0) if spec.jitter else 0.0
     return HFMoEBlock(
         moe,
