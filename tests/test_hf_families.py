@@ -53,10 +53,11 @@ def _two_ranks(rank: int, world: int, family: str) -> dict:
     return compare(family, 0.5, rank, world)
 
 
-# Two ranks: the families that exercise each part of the conversion (router attribute names,
-# gated and ungated shared experts, sigmoid group-limited routing with its selection bias and
-# scale); scripts/hf_families.py measures every family on two ranks.
-@pytest.mark.parametrize("family", ["granitemoe", "qwen2_moe", "deepseek_v3"])
+# Two ranks: the families that exercise each part of the conversion (gated and ungated shared
+# experts, sigmoid group-limited routing with its selection bias and scale, the logit bias and
+# per-expert modules, weights on the experts' inputs); scripts/hf_families.py measures every
+# family on two ranks.
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "gpt_oss", "llama4"])
 def test_a_converted_family_matches_the_original_expert_parallel_on_two_ranks(ranks, family):
     for rank, res in enumerate(ranks(2).run(_two_ranks, family)):
         _check(res, f"{family} rank {rank}/2")
@@ -102,10 +103,14 @@ def test_the_report_names_each_replaced_module_and_its_family():
     assert len(replace_moe_blocks(model)) == 0  # converted blocks are left alone
 
 
-def test_deepseek_v2_group_limited_greedy_is_refused_saying_why():
-    block = tiny("deepseek_v2").model.layers[0].mlp
-    block.gate.topk_method = "group_limited_greedy"
-    with pytest.raises(ValueError, match="scores a group by its best expert"):
+def test_deepseek_v2_greedy_routing_matches_and_an_unknown_topk_method_is_refused():
+    block = tiny("deepseek_v2", 0.5).model.layers[0].mlp  # the tiny model is group-limited
+    block.gate.topk_method = "greedy"
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+    want = block(x)
+    assert (from_hf_block(block)(x) - want).abs().max() <= ATOL
+    block.gate.topk_method = "noaux_tc"
+    with pytest.raises(ValueError, match="topk_method='noaux_tc'"):
         from_hf_block(block)
 
 
@@ -129,9 +134,13 @@ def test_the_weight_map_lists_every_tensor_of_the_block_and_each_is_held_there(f
             held = _at(conv, link.moe[0])
             assert held.data_ptr() == _at(conv, link.hf).data_ptr(), link
             assert torch.equal(state[link.hf], original[link.hf]), link
-    back = from_moe_experts(moe)
+        elif link.kind == "per_expert":  # one process: local index = global index
+            rows = [state[link.moe[0].format(e=e)] for e in range(original[link.hf].shape[0])]
+            assert torch.equal(torch.stack(rows), original[link.hf]), link
+    if spec.experts == "gpt_oss":
+        return
+    back = from_moe_experts(moe, spec.experts)
     for k, v in back.items():
         assert torch.equal(v, original[k]), k
-    assert (
-        to_moe_experts(back["experts.gate_up_proj"], back["experts.down_proj"]).keys() <= moe.keys()
-    )
+    again = to_moe_experts(back["experts.gate_up_proj"], back["experts.down_proj"], spec.experts)
+    assert all(torch.equal(v, moe[k]) for k, v in again.items())

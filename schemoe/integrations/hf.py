@@ -40,6 +40,7 @@ from torch import nn
 
 from ..config import ExpertConfig, GateConfig, MoEConfig, SharedExpertConfig
 from ..layer.moe import MoELayer
+from .hf_experts import GptOssExpert
 from .hf_families import FAMILIES, REFUSED, FamilySpec, family_of, to_moe_experts
 
 if TYPE_CHECKING:  # the optional parts of the config, left to MoEConfig's defaults when None
@@ -107,14 +108,16 @@ class HFMoEBlock(nn.Module):
     def family(self) -> str:
         return self.spec.family
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """[B, L, M] -> [B, L, M]; for a family whose block returns (hidden, router output)
+        (GPT-OSS, Llama 4), that pair, the router output from the kept router."""
         B, L, M = hidden_states.shape
         x = hidden_states
         if self.training and self.jitter > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         x_TM = x.reshape(-1, M)
         router = getattr(self, self.spec.router)
-        router(x_TM)  # only for the model's router-logit hooks (output_router_logits)
+        routed = router(x_TM)  # for the model's router-logit hooks (output_router_logits)
         if self.spec.correction_bias is not None:
             # The router's buffer, looked up per call: .to() and load_state_dict replace it.
             # as_subclass: a plain-tensor alias (same storage) of the family's nn.Buffer, which
@@ -124,10 +127,17 @@ class HFMoEBlock(nn.Module):
         # aux is 0: the HF model adds its own balancing loss. The shared experts, if any, run
         # inside: their output is in y_TM.
         y_TM, _ = self.moe(x_TM)
+        if self.spec.returns_router is not None:
+            return y_TM.view(B, L, M), routed[self.spec.returns_router]
         return y_TM.view(B, L, M)
 
     def extra_repr(self) -> str:
         return f"family={self.spec.family}"
+
+
+def _act(module: nn.Module | None) -> nn.Module | None:
+    """A module's activation (act_fn, or Llama 4's activation_fn)."""
+    return getattr(module, "act_fn", getattr(module, "activation_fn", None))
 
 
 def _silu(module: nn.Module | None) -> bool:
@@ -154,18 +164,19 @@ def _spec(block: nn.Module) -> FamilySpec:
             f"{name} has not the transformers 5.x layout (experts.gate_up_proj, "
             f"{spec.router}.weight); this transformers version is not supported"
         )
-    if not _silu(getattr(ex, "act_fn", None)):
+    if spec.experts != "gpt_oss" and not _silu(_act(ex)):
         raise ValueError(
-            f"{name} uses activation {type(getattr(ex, 'act_fn', None)).__name__}; MoELayer's "
-            "swiglu experts need silu (hidden_act='silu')"
+            f"{name} uses activation {type(_act(ex)).__name__}; MoELayer's swiglu experts "
+            "need silu (hidden_act='silu')"
         )
-    method = getattr(router, "topk_method", "greedy")
-    if method != "greedy":  # DeepSeek-V2's group_limited_greedy
-        raise ValueError(
-            f"{name} routes with topk_method={method!r}, which scores a group by its best "
-            "expert; MoELayer's group-limited routing scores a group by the sum of its two "
-            "best (DeepSeek-V3's). Use topk_method='greedy'"
-        )
+    if spec.grouped_if is not None:  # DeepSeek-V2: "greedy" or "group_limited_greedy"
+        attr, grouped = spec.grouped_if
+        method = getattr(router, attr)
+        if method not in ("greedy", grouped):
+            raise ValueError(
+                f"{name} routes with {attr}={method!r}; MoELayer computes "
+                f"'greedy' and {grouped!r} only"
+            )
     return spec
 
 
@@ -175,7 +186,8 @@ def _gate_config(spec: FamilySpec, block: nn.Module) -> GateConfig:
     if isinstance(renorm, str):
         renorm = bool(getattr(router, renorm))
     groups, top_groups = 1, None
-    if spec.groups is not None:
+    grouped = spec.grouped_if is None or getattr(router, spec.grouped_if[0]) == spec.grouped_if[1]
+    if spec.groups is not None and grouped:
         g, t = (getattr(router, a) for a in spec.groups)
         groups, top_groups = int(g or 1), int(t or g or 1)
     return GateConfig(
@@ -188,6 +200,9 @@ def _gate_config(spec: FamilySpec, block: nn.Module) -> GateConfig:
         groups=groups,
         top_groups=top_groups,
         scale=float(getattr(router, spec.scale)) if spec.scale else 1.0,
+        group_score=spec.group_score,
+        logit_bias=spec.logit_bias is not None,
+        weights_on=spec.weights_on,
     )
 
 
@@ -205,8 +220,8 @@ def _shared_config(spec: FamilySpec, block: nn.Module) -> SharedExpertConfig | N
             f"without bias{' and a ' + spec.shared_gate if gated else ''}; this layout is not "
             "supported"
         )
-    if not _silu(getattr(sh, "act_fn", None)):
-        act = type(getattr(sh, "act_fn", None)).__name__
+    if not _silu(_act(sh)):
+        act = type(_act(sh)).__name__
         raise ValueError(f"the shared expert uses activation {act}; MoELayer's needs silu")
     return SharedExpertConfig(num=1, hidden_dim=sh.gate_proj.weight.shape[0], gated=gated)
 
@@ -237,20 +252,20 @@ def from_hf_block(
         "collective": collective,
         "compression": compression,
     }
+    M = router.weight.shape[1]
+    inter = ex.gate_up_proj.shape[1 if spec.experts == "fused" else 2] // 2
     cfg = MoEConfig(
         gate=_gate_config(spec, block),
-        experts=ExpertConfig(
-            model_dim=router.weight.shape[1],
-            hidden_dim=ex.down_proj.shape[-1],
-            activation="swiglu",
-        ),
+        experts=ExpertConfig(model_dim=M, hidden_dim=inter, activation="swiglu"),
         shared=_shared_config(spec, block),
         **{part: value for part, value in given.items() if value is not None},
     )
     w = ex.gate_up_proj
-    moe = MoELayer(cfg, group=group).to(device=w.device, dtype=w.dtype)
-    moe.load_global_state(to_moe_experts(ex.gate_up_proj.detach(), ex.down_proj.detach()))
+    moe = _moe(spec, cfg, ex, group).to(device=w.device, dtype=w.dtype)
+    _load_experts(spec, moe, ex)
     moe.gate_weight = router.weight  # tied: one router weight, gradients from both uses
+    if spec.logit_bias is not None:
+        moe.gate_bias = getattr(router, spec.logit_bias)
     shared = getattr(block, spec.shared) if cfg.shared is not None else None
     shared_gate = getattr(block, spec.shared_gate) if cfg.shared and cfg.shared.gated else None
     if shared is not None:  # tied too: MoELayer computes them, the family's names hold them
@@ -269,6 +284,28 @@ def from_hf_block(
         shared_gate=shared_gate,
         spec=spec,
     )
+
+
+def _moe(spec: FamilySpec, cfg: MoEConfig, ex: nn.Module, group) -> MoELayer:
+    if spec.experts != "gpt_oss":
+        return MoELayer(cfg, group=group)
+    M, inter = cfg.experts.model_dim, cfg.experts.hidden_dim
+    alpha, limit = float(ex.alpha), float(ex.limit)
+    return MoELayer(cfg, group=group, expert_factory=lambda e: GptOssExpert(M, inter, alpha, limit))
+
+
+@torch.no_grad()
+def _load_experts(spec: FamilySpec, moe: MoELayer, ex: nn.Module) -> None:
+    """This rank's experts from the family's [E, ...] tensors (copies, in MoELayer's layout)."""
+    if spec.experts != "gpt_oss":
+        moe.load_global_state(
+            to_moe_experts(ex.gate_up_proj.detach(), ex.down_proj.detach(), spec.experts)
+        )
+        return
+    first = moe.expert_slice().start
+    for i, module in enumerate(moe.experts.experts):
+        for name, p in module.named_parameters():
+            p.copy_(getattr(ex, name)[first + i])
 
 
 class Replaced(list):

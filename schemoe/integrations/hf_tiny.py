@@ -101,6 +101,9 @@ TINY: dict[str, tuple[str, str, dict]] = {
             "moe_intermediate_size": 24,
             "n_shared_experts": 1,
             "routed_scaling_factor": 1.5,
+            "topk_method": "group_limited_greedy",  # 2 groups of 2 experts, the best one kept
+            "n_group": 2,
+            "topk_group": 1,
         },
     ),
     "deepseek_v3": (
@@ -132,10 +135,17 @@ TINY: dict[str, tuple[str, str, dict]] = {
     ),
 }
 
+TINY |= {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "head_dim": 8}),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {"num_local_experts": 4, "head_dim": 8, "intermediate_size_mlp": 48},
+    ),
+}
+
 # The refused families at the tiny size (the error is what is checked).
 REFUSED_TINY: dict[str, tuple[str, str, dict]] = {
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "head_dim": 8}),
-    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"num_local_experts": 4, "head_dim": 8}),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4}),
 }
 
@@ -166,15 +176,34 @@ def _ids(rank: int, seq: int = 6) -> torch.Tensor:
 def _hf_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gradient of the unmodified model, the experts' in MoELayer's layout
     (under "<block>.moe.experts.w1_EMH" etc., where the converted model holds them)."""
-    out = {}
+    out, experts = {}, set()
     for name, m in model.named_modules():
-        if type(m).__name__ in SUPPORTED:
-            moe = to_moe_experts(m.experts.gate_up_proj.grad, m.experts.down_proj.grad)
+        if type(m).__name__ not in SUPPORTED:
+            continue
+        layout = FAMILIES[SUPPORTED[type(m).__name__]].experts
+        ex = m.experts
+        experts |= {f"{name}.experts.{n}" for n, _ in ex.named_parameters()}
+        if layout == "gpt_oss":  # per-expert modules: global expert e's rows
+            for n, p in ex.named_parameters():
+                for e in range(p.shape[0]):
+                    out[f"{name}.moe.experts.experts.{e}.{n}"] = p.grad[e]
+        else:
+            moe = to_moe_experts(ex.gate_up_proj.grad, ex.down_proj.grad, layout)
             out |= {f"{name}.moe.{k}": g for k, g in moe.items()}
     for n, p in model.named_parameters():
-        if not n.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.grad is not None:
+        if n not in experts and p.grad is not None:
             out[n] = p.grad
     return out
+
+
+def _expert_ref(ref: dict, name: str, block: HFMoEBlock) -> torch.Tensor:
+    """The reference gradient of this rank's expert parameter `name` (module-relative)."""
+    sl = block.moe.expert_slice()
+    head, sep, tail = name.partition(".moe.experts.experts.")
+    if not sep:
+        return ref[name][sl]
+    i, rest = tail.split(".", 1)  # local index -> global
+    return ref[f"{head}{sep}{sl.start + int(i)}.{rest}"]
 
 
 def compare(family: str, std: float | None, rank: int = 0, world: int = 1) -> dict[str, float]:
@@ -201,8 +230,7 @@ def compare(family: str, std: float | None, rank: int = 0, world: int = 1) -> di
     for n, p in conv.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         if getattr(p, "schemoe_expert", False):
-            block = conv.get_submodule(n.split(".moe.")[0])
-            want = ref[n][block.moe.expert_slice()]
+            want = _expert_ref(ref, n, conv.get_submodule(n.split(".moe.")[0]))
         else:
             if world > 1:
                 g = g.clone()
@@ -213,7 +241,7 @@ def compare(family: str, std: float | None, rank: int = 0, world: int = 1) -> di
         "logits": float((mine.logits - outs[rank].logits).detach().abs().max()),
         "loss": float((mine.loss - outs[rank].loss).detach().abs()),
         "grads": grad,
-        "logit_scale": float(outs[rank].logits.abs().max()),
+        "logit_scale": float(outs[rank].logits.detach().abs().max()),
         "blocks": len(replaced),
     }
 
@@ -239,12 +267,17 @@ def bf16_routing_mismatch(family: str, std: float | None, seq: int = 64) -> floa
         nonlocal differ, total
         x_TM = args[0]
         router = getattr(block, block.spec.router)
-        theirs = router(x_TM.reshape(-1, x_TM.shape[-1]))[2]
+        out = router(x_TM.reshape(-1, x_TM.shape[-1]))
+        k = block.moe.config.gate.top_k
+        # Llama 4's router returns (scores, logits) and picks the top-k logits; the others
+        # return (logits, weights, chosen experts).
+        theirs = out[1].topk(k, dim=-1).indices if block.family == "llama4" else out[2]
         ours = route(
             x_TM.reshape(-1, x_TM.shape[-1]),
             block.moe.gate_weight,
             block.moe.config.gate,
             bias_E=getattr(router, block.spec.correction_bias or "", None),
+            logit_bias_E=block.moe.gate_bias,
         ).expert_TK
         same = (theirs.sort(-1).values == ours.sort(-1).values).all(-1)
         differ += int((~same).sum())
