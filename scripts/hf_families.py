@@ -2,6 +2,7 @@
 a JSON line at the end (docs/training.md's table comes from it; nothing is downloaded).
 
     PYTHONPATH=. python scripts/hf_families.py [--families mixtral,deepseek_v3] [--no-ranks]
+        [--markdown]    # also the table of docs/training.md and README.md, before the JSON line
 
 Per family, on the tiny random model of schemoe.integrations.hf_tiny (2 MoE layers, hidden 32):
 - logits / grads: max|diff| of the logits and of every parameter gradient (experts in MoELayer's
@@ -10,7 +11,7 @@ Per family, on the tiny random model of schemoe.integrations.hf_tiny (2 MoE laye
   ranks (std 0.5; each rank its own batch, dense gradients summed as DDP would, experts sharded);
 - greedy: 6 greedily generated tokens equal the unmodified model's (one process, std 0.5);
 - bf16: the share of (layer, token) pairs whose expert set differs between the family's own bf16
-  router and MoELayer's fp32 one, on the same bf16 input of each layer (64-token sequences x 4).
+  router and MoELayer's fp32 one, on the same bf16 input of each layer (16 x 64 tokens, 2 layers).
 Refused families are listed with the error replace_moe_blocks raises.
 """
 
@@ -62,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--families", default=",".join(TINY), help="comma-separated families")
     ap.add_argument("--no-ranks", action="store_true", help="skip the 2-rank measurement")
+    ap.add_argument("--markdown", action="store_true", help="print the docs table too")
     args = ap.parse_args()
     rows = []
     cols = ["logits_default", "grads_default", "logits_std0.5", "grads_std0.5"]
@@ -79,7 +81,29 @@ def main() -> None:
         print(f"{fam:18s} {figs}  {row['greedy_same']!s:6s}  {bf}", flush=True)
     if args.families == ",".join(TINY):
         rows += [refused(f) for f in REFUSED_TINY]
+    if args.markdown:
+        print(markdown(rows))
     print(json.dumps({"hf_families": rows}))
+
+
+def _worst(row: dict, kind: str) -> float:
+    return max(v for k, v in row.items() if k.startswith(kind))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The docs table: one row per family, the worst figure of each kind over default init,
+    std 0.5 and 2 ranks."""
+    head = "| family | status | logits max abs diff | grads max abs diff | greedy | bf16 routing |"
+    out = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "converted":
+            out.append(f"| {r['family']} | refused | - | - | - | - |")
+            continue
+        bf = f"{r['bf16_mismatch_default']:.1%} / {r['bf16_mismatch_std0.5']:.1%}"
+        same = "same tokens" if r["greedy_same"] else "DIFFER"
+        logits, grads = _worst(r, "logits_"), _worst(r, "grads_")
+        out.append(f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {bf} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ def same_greedy_tokens(family: str, std: float | None, new: int = 6) -> bool:
     return bool(torch.equal(orig.generate(ids, **kw), conv.generate(ids, **kw)))
 
 
-def bf16_routing_mismatch(family: str, std: float | None, seq: int = 64) -> float:
+def bf16_routing_mismatch(family: str, std: float | None, batch: int = 16, seq: int = 64) -> float:
     """The share of (layer, token) pairs whose expert set differs between the family's own bf16
     router and MoELayer's (which routes in fp32), on the same bf16 input of each layer."""
     model = tiny(family, std).to(torch.bfloat16)
@@ -287,7 +287,8 @@ def bf16_routing_mismatch(family: str, std: float | None, seq: int = 64) -> floa
         if isinstance(m, HFMoEBlock):
             m.register_forward_pre_hook(lambda b, a: hook(b, a, None))
     with torch.no_grad():
-        model(torch.randint(3, VOCAB, (4, seq), generator=torch.Generator().manual_seed(5)))
+        ids = torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(5))
+        model(ids)
     return differ / max(total, 1)
 
 
