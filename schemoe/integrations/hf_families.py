@@ -39,10 +39,12 @@ Weights after conversion (a converted block keeps the family's router and shared
 under their own names, their tensors tied to the MoELayer's): `FamilySpec.weights(block)` lists,
 for each of the original block's parameters and buffers (names relative to the block), the
 MoELayer tensor (relative to the converted block: "moe.<name>") that holds it, and whether it is
-the same tensor ("tied", same layout) or a layout conversion ("experts", through the functions
-above). That mapping is stable: it is what saving a converted model in the family's layout reads.
+the same tensor ("tied", same layout), a layout conversion ("experts", through the functions
+above, the family's `FamilySpec.experts` layout) or one module per expert ("per_expert", GPT-OSS:
+row e of the HF tensor is `moe.experts.experts.{e}.<name>`, e local to the rank holding it).
+That mapping is stable: it is what saving a converted model in the family's layout reads.
 
-Refused, with the reason (`REFUSED`): families whose routing or experts MoELayer does not compute.
+Refused, with the reason (`REFUSED`): PhiMoE, whose routing MoELayer does not compute.
 """
 
 from __future__ import annotations
