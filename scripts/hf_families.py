@@ -99,7 +99,7 @@ def markdown(rows: list[dict]) -> str:
         if r["status"] != "converted":
             out.append(f"| {r['family']} | refused | - | - | - | - |")
             continue
-        bf = f"{r['bf16_mismatch_default']:.1%} / {r['bf16_mismatch_std0.5']:.1%}"
+        bf = f"{r['bf16_mismatch_default']:.2%} / {r['bf16_mismatch_std0.5']:.2%}"
         same = "same tokens" if r["greedy_same"] else "DIFFER"
         logits, grads = _worst(r, "logits_"), _worst(r, "grads_")
         out.append(f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {bf} |")
