@@ -35,6 +35,8 @@ ACTIVATIONS = ("relu", "gelu", "swiglu")
 EXPERT_IMPLS = ("grouped", "loop")
 PRIORITIES = ("position", "score")
 SCORES = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2", "max")
+WEIGHTS_ON = ("output", "input")
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -87,6 +89,13 @@ class GateConfig:
             `top_groups` best groups and takes its top-k among their experts. None: all groups
             (plain top-k).
         scale: multiplies every combine weight (DeepSeek-V3 `routed_scaling_factor`), > 0.
+        group_score: how group-limited routing scores a group: "top2" (the sum of its two
+            highest selection scores, DeepSeek-V3) or "max" (its highest, DeepSeek-V2's
+            group_limited_greedy).
+        logit_bias: a learned per-expert bias added to the router logits (GPT-OSS's router
+            bias): MoELayer.gate_bias [E], dense like the gate weight.
+        weights_on: where a choice's weight applies: "output" (y = sum_j w_j expert_j(x), every
+            family but one) or "input" (y = sum_j expert_j(w_j x), Llama 4).
     """
 
     num_experts: int
@@ -102,6 +111,9 @@ class GateConfig:
     groups: int = 1
     top_groups: int | None = None
     scale: float = 1.0
+    group_score: str = "top2"
+    logit_bias: bool = False
+    weights_on: str = "output"
 
     def __post_init__(self) -> None:
         _int("num_experts", self.num_experts, 1)
@@ -136,6 +148,16 @@ class GateConfig:
             f"top_k={self.top_k} must be <= top_groups * num_experts / groups = {reach} (the "
             "experts a token can reach)",
         )
+        _need(
+            self.group_score in GROUP_SCORES,
+            f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}",
+        )
+        _need(
+            self.weights_on in WEIGHTS_ON,
+            f"weights_on must be one of {WEIGHTS_ON}, got {self.weights_on!r}",
+        )
+        if not isinstance(self.logit_bias, bool):
+            raise TypeError(f"logit_bias must be a bool, got {self.logit_bias!r}")
         _num("scale", self.scale, 0.0)
         _need(
             math.isfinite(self.scale) and self.scale > 0,

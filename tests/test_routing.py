@@ -241,6 +241,10 @@ GATES = {
     # softmax, 2 groups of 4, one kept, no renormalisation, scaled, score priority
     "softmax-groups-score": {"groups": 2, "top_groups": 1, "renormalize": False, "scale": 2.0,
                              "priority": "score"},
+    # GPT-OSS / DeepSeek-V2 / Llama 4 variants: a logit bias, groups scored by their best
+    # expert, the weights on the experts' inputs
+    "logit-bias-max-groups-input": {"logit_bias": True, "groups": 4, "top_groups": 2,
+                                    "group_score": "max", "weights_on": "input"},
 }  # fmt: skip
 BIAS = torch.tensor([0.3, -0.2, 0.0, 0.1, -0.4, 0.2, 0.05, -0.1])
 

@@ -97,6 +97,8 @@ class MoELayer(nn.Module):
 
         self.gate_weight = nn.Parameter(torch.empty(E, M))
         nn.init.uniform_(self.gate_weight, -1 / math.sqrt(M), 1 / math.sqrt(M))
+        # The learned logit bias (GateConfig.logit_bias), dense like the gate weight.
+        self.gate_bias = nn.Parameter(torch.zeros(E)) if config.gate.logit_bias else None
         first = rank * self.num_local
         if expert_factory is None:
             self.experts = BatchedFFN(config.experts, self.num_local, first, seed)
@@ -227,7 +229,12 @@ class MoELayer(nn.Module):
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
         routing = route(
-            x_TM, self.gate_weight, cfg.gate, training=self.training, bias_E=self.expert_bias
+            x_TM,
+            self.gate_weight,
+            cfg.gate,
+            training=self.training,
+            bias_E=self.expert_bias,
+            logit_bias_E=self.gate_bias,
         )
         aux = routing.probs_TE.new_zeros(())
         if cfg.gate.aux_loss_weight > 0 and balance:

@@ -3,10 +3,11 @@
 It is the ground truth of the tests: loops over ranks, choices and tokens, one expert at a time,
 no buffers, no all-to-all, no chunks. `xs[r]` holds the tokens of rank r; routing and capacity
 are per rank, as in MoELayer (each rank routes its own tokens). Routing is chosen token by token
-with Python sorts (every GateConfig mode: softmax / sigmoid scores, groups, top groups, scale,
-the selection bias `bias` [E]), not with the router's tensor code.
+with Python sorts (every GateConfig mode: softmax / sigmoid scores, the logit bias, groups, top
+groups scored by their best two or best one, scale, weights on outputs or inputs, the selection
+bias `bias` [E]), not with the router's tensor code.
 
-`weights` is the unsharded state of MoELayer.global_state(): gate_weight [E, M],
+`weights` is the unsharded state of MoELayer.global_state(): gate_weight [E, M] (+ gate_bias [E]),
 experts.w1_EMH [E, M, H], experts.w2_EHM [E, H, M] (+ experts.w3_EMH for swiglu,
 experts.b1_EH / experts.b2_EM with bias; shared.w1_HM, shared.w2_MH (+ shared.w3_HM,
 shared.gate_1M) with shared experts).
@@ -45,7 +46,8 @@ def _choose(s: list[float], bias: torch.Tensor | None, g) -> list[int]:
     top_groups best groups, a group scored by the sum of its two best s + bias."""
     sel = [v + (float(bias[e]) if bias is not None else 0.0) for e, v in enumerate(s)]
     n = g.num_experts // g.groups
-    best = lambda group: sum(sorted((sel[e] for e in group), reverse=True)[:2])
+    top = 1 if g.group_score == "max" else 2
+    best = lambda group: sum(sorted((sel[e] for e in group), reverse=True)[:top])
     groups = [range(q * n, (q + 1) * n) for q in range(g.groups)]
     kept = sorted(groups, key=best, reverse=True)[: g.kept_groups]
     allowed = [e for group in kept for e in group]
@@ -76,6 +78,8 @@ def reference_moe(
     for x in xs:
         T = x.shape[0]
         logits = x.float() @ weights["gate_weight"].float().t()
+        if "gate_bias" in weights:  # GateConfig.logit_bias
+            logits = logits + weights["gate_bias"].float()
         if g.score == "sigmoid":
             score = torch.sigmoid(logits)
             probs = score / score.sum(-1, keepdim=True)  # what the aux loss balances
@@ -106,9 +110,14 @@ def reference_moe(
             mine = [(t, j) for t, j, ee in kept if ee == e]
             if not mine:
                 continue
-            out = _expert(x[[t for t, _ in mine]], weights, e, config.experts.activation)
+            xe = x[[t for t, _ in mine]]
+            on_input = g.weights_on == "input"  # expert(w x) rather than w expert(x)
+            if on_input:
+                xe = xe * torch.stack([w[t, j] for t, j in mine])[:, None].to(x.dtype)
+            out = _expert(xe, weights, e, config.experts.activation)
             for n, (t, j) in enumerate(mine):
-                y = y.index_add(0, torch.tensor([t]), (out[n].float() * w[t, j])[None])
+                wt = 1.0 if on_input else w[t, j]
+                y = y.index_add(0, torch.tensor([t]), (out[n].float() * wt)[None])
         if config.shared is not None:  # always-on experts, every token, one FFN of num x H
             y = y + _shared(x, weights, config.experts.activation).float()
         ys.append(y.to(x.dtype))

@@ -57,10 +57,14 @@ def _kept(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def encode(x_TM: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Scatter tokens into the dispatch buffer [N, M]."""
-    token, slot, _ = _kept(routing)
+    """Scatter tokens into the dispatch buffer [N, M] (each scaled by its choice's weight when
+    the routing puts the weights on the experts' inputs)."""
+    token, slot, weight = _kept(routing)
     rows = x_TM.new_zeros((routing.rows, x_TM.shape[1]))
-    return rows.index_copy(0, slot, x_TM.index_select(0, token))
+    picked = x_TM.index_select(0, token)
+    if routing.weights_on_input:
+        picked = picked * weight[:, None].to(picked.dtype)
+    return rows.index_copy(0, slot, picked)
 
 
 def decode(rows_NM: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
@@ -71,7 +75,9 @@ def decode(rows_NM: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch
     """
     token, slot, weight = _kept(routing)
     T = routing.slot_TK.shape[0]
-    picked = rows_NM.index_select(0, slot).float() * weight[:, None]
+    picked = rows_NM.index_select(0, slot).float()
+    if not routing.weights_on_input:  # else encode applied the weights
+        picked = picked * weight[:, None]
     y = torch.zeros((T, rows_NM.shape[1]), device=rows_NM.device, dtype=torch.float32)
     return y.index_add(0, token, picked).to(dtype)
 

@@ -5,10 +5,11 @@ G expert groups, n = E / G experts per group.
 
 Scores, selection and weights (all fp32, whatever the activations' dtype or autocast):
 
-    logits = x W^T;  s = softmax(logits) or sigmoid(logits)           (GateConfig.score)
+    logits = x W^T (+ b_logit);  s = softmax(logits) or sigmoid(logits)   (GateConfig.score)
     selection score  = s + b  (b: the aux-loss-free bias, selection only; 0 without it)
-    group-limited:   group score = sum of its 2 highest selection scores (1 if n = 1); the
-                     top_groups best groups stay, the others' experts are masked out
+    group-limited:   group score = sum of its 2 highest selection scores (1 if n = 1), or
+                     its highest (group_score="max"); the top_groups best groups stay, the
+                     others' experts are masked out
     experts          = top-k of the selection scores, best first
     weights          = s of the chosen experts (never the bias), / (their sum + 1e-20) when
                        renormalize, then * scale
@@ -48,6 +49,7 @@ class Routing:
     weight_TK: torch.Tensor  # fp32 combine weight (0 where dropped), differentiable
     slot_TK: torch.Tensor  # long, row in the dispatch buffer, -1 where dropped
     counts: tuple[int, ...]  # rows per expert in the dispatch buffer (E entries)
+    weights_on_input: bool = False  # scale each choice's input by its weight, not its output
 
     @property
     def rows(self) -> int:
@@ -74,7 +76,8 @@ def select(select_TE: torch.Tensor, cfg: GateConfig) -> torch.Tensor:
     T, E, G = select_TE.shape[0], cfg.num_experts, cfg.groups
     if cfg.kept_groups < G:
         n = E // G
-        group_TG = select_TE.view(T, G, n).topk(min(2, n), dim=-1).values.sum(-1)
+        best = 1 if cfg.group_score == "max" else min(2, n)
+        group_TG = select_TE.view(T, G, n).topk(best, dim=-1).values.sum(-1)
         top_TG = group_TG.topk(cfg.kept_groups, dim=-1).indices
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, top_TG, True)
         keep_TE = keep_TG[:, :, None].expand(T, G, n).reshape(T, E)
@@ -89,13 +92,17 @@ def route(
     *,
     training: bool = False,
     bias_E: torch.Tensor | None = None,
+    logit_bias_E: torch.Tensor | None = None,
 ) -> Routing:
     """Route T tokens (see the module docstring). The router always computes in fp32, whatever
-    the activation, weight or bias dtype and autocast."""
+    the activation, weight or bias dtype and autocast. `bias_E`: the selection bias; `logit_bias_E`:
+    the learned logit bias (GateConfig.logit_bias)."""
     T, E, k = x_TM.shape[0], cfg.num_experts, cfg.top_k
     # 1. Scores in fp32 (autocast must not lower the router's precision).
     with torch.autocast(device_type=x_TM.device.type, enabled=False):
         logits_TE = x_TM.float() @ weight_EM.float().t()
+        if logit_bias_E is not None:
+            logits_TE = logits_TE + logit_bias_E.float()
         if training and cfg.noise_std > 0:
             logits_TE = logits_TE + torch.randn_like(logits_TE) * cfg.noise_std
         s_TE = scores(logits_TE, cfg)
@@ -134,4 +141,5 @@ def route(
     offsets_E = torch.tensor((0,) + counts[:-1], device=x_TM.device).cumsum(0)
     slot_TK = torch.where(keep_TK, offsets_E[expert_TK] + pos_TK, torch.full_like(pos_TK, -1))
     weight_TK = weight_TK * keep_TK
-    return Routing(probs_TE, logits_TE, expert_TK, weight_TK, slot_TK, counts)
+    on_input = cfg.weights_on == "input"
+    return Routing(probs_TE, logits_TE, expert_TK, weight_TK, slot_TK, counts, on_input)

@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--top-groups", type=int, help="groups each token keeps before its top-k (default: all)")
     m("--routed-scale", type=float,
       help="factor on the combine weights (DeepSeek-V3 routed_scaling_factor)")  # fmt: skip
+    m("--group-score", choices=("top2", "max"),
+      help="a group's score: its best two experts' sum (DeepSeek-V3) or its best (V2)")  # fmt: skip
+    m("--router-bias", action="store_true", help="a learned bias on the router logits (GPT-OSS)")
+    m("--weights-on", choices=("output", "input"),
+      help="where the gate weights apply: expert outputs, or inputs (Llama 4)")  # fmt: skip
     m("--activation", choices=("relu", "gelu", "swiglu"), help="expert FFN activation")
     m("--expert-bias", action="store_true", help="biases in the expert FFNs")
     m("--experts-impl", choices=EXPERT_IMPLS, help="grouped: one grouped GEMM per projection; loop")

@@ -53,7 +53,8 @@ MOE_FLAGS: dict[str, tuple[type, dict[str, str]]] = {
         "renormalize": "renormalize", "noise_std": "noise_std", "priority": "priority",
         "aux_loss_weight": "aux_loss_weight", "z_loss_weight": "z_loss_weight",
         "bias_update_rate": "bias_update_rate", "score": "score", "groups": "expert_groups",
-        "top_groups": "top_groups", "scale": "routed_scale"}),
+        "top_groups": "top_groups", "scale": "routed_scale", "group_score": "group_score",
+        "logit_bias": "router_bias", "weights_on": "weights_on"}),
     "experts": (layer_config.ExpertConfig, {
         "model_dim": "model_dim", "hidden_dim": "hidden_dim", "activation": "activation",
         "bias": "expert_bias", "impl": "experts_impl"}),
@@ -157,6 +158,9 @@ class TrainConfig:
     expert_groups: int = 1
     top_groups: int | None = None
     routed_scale: float = 1.0
+    group_score: str = "top2"
+    router_bias: bool = False
+    weights_on: str = "output"
     activation: str = "gelu"
     expert_bias: bool = False
     experts_impl: str = "grouped"

@@ -1,0 +1,295 @@
+"""Tiny random models of every converted Hugging Face MoE family, and the measurements that
+compare a converted model with the unmodified one (tests/test_hf_families.py and
+scripts/hf_families.py use them; nothing is downloaded). Needs `transformers`.
+
+Legend: T tokens, E experts, k experts per token.
+
+    model = tiny("deepseek_v3", std=0.5)     # 2 MoE layers, E 4..8, k 2, hidden 32
+    compare("deepseek_v3", 0.5)             # {"logits": max|diff|, "grads": max|diff|, ...}
+
+`std`: None keeps the family's own initialisation (transformers' _init_weights); a number draws
+every weight of the MoE blocks (routers, experts, shared experts) from N(0, std), and the
+selection biases (e_score_correction_bias) from N(0, std / 5), so the routing scores are
+separated and the experts' outputs O(1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+from torch import nn
+
+from ..routing import route
+from .hf import SUPPORTED, HFMoEBlock, replace_moe_blocks
+from .hf_families import FAMILIES, to_moe_experts
+
+__all__ = ["REFUSED_TINY", "TINY", "bf16_routing_mismatch", "compare", "same_greedy_tokens", "tiny"]
+
+VOCAB = 64
+_BASE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "output_router_logits": True,
+}
+_MLA = {  # DeepSeek's multi-head latent attention at the tiny size
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "head_dim": 8,
+    "num_key_value_heads": 4,
+    "first_k_dense_replace": 0,
+}
+_QWEN = {"num_experts": 4, "moe_intermediate_size": 24}
+
+# family -> (config class, model class, config overrides)
+TINY: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        _QWEN | {"shared_expert_intermediate_size": 36},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        _QWEN | {"norm_topk_prob": True, "head_dim": 8},
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4}),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4}),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        _QWEN
+        | {
+            "shared_expert_intermediate_size": 36,
+            "norm_topk_prob": True,
+            "head_dim": 8,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", {"num_local_experts": 4, "head_dim": 8}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4}),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        {"num_local_experts": 4, "shared_intermediate_size": 36},
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        _MLA
+        | {
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 24,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 1.5,
+            "topk_method": "group_limited_greedy",  # 2 groups of 2 experts, the best one kept
+            "n_group": 2,
+            "topk_group": 1,
+        },
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        _MLA
+        | {
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "moe_intermediate_size": 24,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "n_routed_experts": 8,
+            "n_group": 2,
+            "topk_group": 1,
+            "moe_intermediate_size": 24,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 0,
+            "routed_scaling_factor": 1.8,
+            "head_dim": 8,
+        },
+    ),
+}
+
+TINY |= {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "head_dim": 8}),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {"num_local_experts": 4, "head_dim": 8, "intermediate_size_mlp": 48},
+    ),
+}
+
+# The refused families at the tiny size (the error is what is checked).
+REFUSED_TINY: dict[str, tuple[str, str, dict]] = {
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4}),
+}
+
+
+def tiny(family: str, std: float | None = None, seed: int = 0) -> nn.Module:
+    """The tiny fp32 causal LM of `family` (TINY or REFUSED_TINY), in eval mode."""
+    cfg_name, model_name, over = (TINY | REFUSED_TINY)[family]
+    cfg = getattr(tf, cfg_name)(**(_BASE | over))
+    torch.manual_seed(seed)
+    model = getattr(tf, model_name)(cfg).float().eval()
+    if std is not None:
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__ not in SUPPORTED:
+                    continue
+                for n, p in m.named_parameters():
+                    p.normal_(0, std)
+                for n, b in m.named_buffers():
+                    if n.endswith("e_score_correction_bias"):
+                        b.normal_(0, std / 5)
+    return model
+
+
+def _ids(rank: int, seq: int = 6) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(11 + rank))
+
+
+def _hf_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gradient of the unmodified model, the experts' in MoELayer's layout
+    (under "<block>.moe.experts.w1_EMH" etc., where the converted model holds them)."""
+    out, experts = {}, set()
+    for name, m in model.named_modules():
+        if type(m).__name__ not in SUPPORTED:
+            continue
+        layout = FAMILIES[SUPPORTED[type(m).__name__]].experts
+        ex = m.experts
+        experts |= {f"{name}.experts.{n}" for n, _ in ex.named_parameters()}
+        if layout == "gpt_oss":  # per-expert modules: global expert e's rows
+            for n, p in ex.named_parameters():
+                for e in range(p.shape[0]):
+                    out[f"{name}.moe.experts.experts.{e}.{n}"] = p.grad[e]
+        else:
+            moe = to_moe_experts(ex.gate_up_proj.grad, ex.down_proj.grad, layout)
+            out |= {f"{name}.moe.{k}": g for k, g in moe.items()}
+    for n, p in model.named_parameters():
+        if n not in experts and p.grad is not None:
+            out[n] = p.grad
+    return out
+
+
+def _expert_ref(ref: dict, name: str, block: HFMoEBlock) -> torch.Tensor:
+    """The reference gradient of this rank's expert parameter `name` (module-relative)."""
+    sl = block.moe.expert_slice()
+    head, sep, tail = name.partition(".moe.experts.experts.")
+    if not sep:
+        return ref[name][sl]
+    i, rest = tail.split(".", 1)  # local index -> global
+    return ref[f"{head}{sep}{sl.start + int(i)}.{rest}"]
+
+
+def compare(family: str, std: float | None, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """max|diff| of the logits, the loss and every parameter gradient, converted vs unmodified,
+    fp32. With world > 1 (call on every rank of the default group), each rank feeds its own
+    batch; the reference runs every rank's batch; dense gradients are summed over the ranks
+    (as DDP would) and each rank's experts are compared with their slice."""
+    orig = tiny(family, std)
+    conv = copy.deepcopy(orig)
+    replaced = replace_moe_blocks(conv)
+    assert set(replaced.families.values()) == {family}, replaced.families
+    ids = [_ids(r) for r in range(world)]
+    outs = [orig(i, labels=i) for i in ids]
+    sum(o.loss for o in outs).backward()
+    mine = conv(ids[rank], labels=ids[rank])
+    mine.loss.backward()
+    ref = _hf_grads(orig)
+    for name, m in conv.named_modules():  # tied tensors: also under their MoELayer names
+        if isinstance(m, HFMoEBlock):
+            for link in m.spec.weights(m):
+                if link.kind == "tied" and f"{name}.{link.hf}" in ref:  # params only
+                    ref[f"{name}.{link.moe[0]}"] = ref[f"{name}.{link.hf}"]
+    grad = 0.0
+    for n, p in conv.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if getattr(p, "schemoe_expert", False):
+            want = _expert_ref(ref, n, conv.get_submodule(n.split(".moe.")[0]))
+        else:
+            if world > 1:
+                g = g.clone()
+                dist.all_reduce(g)
+            want = ref[n]
+        grad = max(grad, float((g - want).abs().max()))
+    return {
+        "logits": float((mine.logits - outs[rank].logits).detach().abs().max()),
+        "loss": float((mine.loss - outs[rank].loss).detach().abs()),
+        "grads": grad,
+        "logit_scale": float(outs[rank].logits.detach().abs().max()),
+        "blocks": len(replaced),
+    }
+
+
+def same_greedy_tokens(family: str, std: float | None, new: int = 6) -> bool:
+    """Greedy generation from the converted model gives the unmodified model's tokens."""
+    orig = tiny(family, std)
+    conv = copy.deepcopy(orig)
+    replace_moe_blocks(conv)
+    ids = _ids(0, 4)
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    return bool(torch.equal(orig.generate(ids, **kw), conv.generate(ids, **kw)))
+
+
+def bf16_routing_mismatch(family: str, std: float | None, batch: int = 16, seq: int = 64) -> float:
+    """The share of (layer, token) pairs whose expert set differs between the family's own bf16
+    router and MoELayer's (which routes in fp32), on the same bf16 input of each layer."""
+    model = tiny(family, std).to(torch.bfloat16)
+    replace_moe_blocks(model)
+    differ, total = 0, 0
+
+    def hook(block: HFMoEBlock, args, out) -> None:
+        nonlocal differ, total
+        x_TM = args[0]
+        router = getattr(block, block.spec.router)
+        out = router(x_TM.reshape(-1, x_TM.shape[-1]))
+        k = block.moe.config.gate.top_k
+        # Llama 4's router returns (scores, logits) and picks the top-k logits; the others
+        # return (logits, weights, chosen experts).
+        theirs = out[1].topk(k, dim=-1).indices if block.family == "llama4" else out[2]
+        ours = route(
+            x_TM.reshape(-1, x_TM.shape[-1]),
+            block.moe.gate_weight,
+            block.moe.config.gate,
+            bias_E=getattr(router, block.spec.correction_bias or "", None),
+            logit_bias_E=block.moe.gate_bias,
+        ).expert_TK
+        same = (theirs.sort(-1).values == ours.sort(-1).values).all(-1)
+        differ += int((~same).sum())
+        total += same.numel()
+
+    for m in model.modules():
+        if isinstance(m, HFMoEBlock):
+            m.register_forward_pre_hook(lambda b, a: hook(b, a, None))
+    with torch.no_grad():
+        ids = torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(5))
+        model(ids)
+    return differ / max(total, 1)
+
+
+assert set(TINY) == set(FAMILIES), "every converted family has a tiny model"

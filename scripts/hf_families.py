@@ -1,0 +1,110 @@
+"""Every converted Hugging Face MoE family against its unmodified model, one row per family, and
+a JSON line at the end (docs/training.md's table comes from it; nothing is downloaded).
+
+    PYTHONPATH=. python scripts/hf_families.py [--families mixtral,deepseek_v3] [--no-ranks]
+        [--markdown]    # also the table of docs/training.md and README.md, before the JSON line
+
+Per family, on the tiny random model of schemoe.integrations.hf_tiny (2 MoE layers, hidden 32):
+- logits / grads: max|diff| of the logits and of every parameter gradient (experts in MoELayer's
+  layout), converted vs unmodified, fp32, at the family's default initialisation ("default") and
+  with every MoE-block weight drawn from N(0, 0.5) ("std0.5"); on one process, and on 2 gloo
+  ranks (std 0.5; each rank its own batch, dense gradients summed as DDP would, experts sharded);
+- greedy: 6 greedily generated tokens equal the unmodified model's (one process, std 0.5);
+- bf16: the share of (layer, token) pairs whose expert set differs between the family's own bf16
+  router and MoELayer's fp32 one, on the same bf16 input of each layer (16 x 64 tokens, 2 layers).
+Refused families are listed with the error replace_moe_blocks raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from schemoe.dist.launch import spawn
+from schemoe.integrations.hf import replace_moe_blocks
+from schemoe.integrations.hf_tiny import (
+    REFUSED_TINY,
+    TINY,
+    bf16_routing_mismatch,
+    compare,
+    same_greedy_tokens,
+    tiny,
+)
+
+
+def _two_ranks(rank: int, world: int, family: str) -> dict:
+    return compare(family, 0.5, rank, world)
+
+
+def measure(family: str, ranks: bool) -> dict:
+    row: dict = {"family": family, "status": "converted"}
+    for name, std in (("default", None), ("std0.5", 0.5)):
+        r = compare(family, std)
+        row[f"logits_{name}"], row[f"grads_{name}"] = r["logits"], r["grads"]
+    if ranks:
+        both = spawn(_two_ranks, 2, family, timeout=300)
+        row["logits_2ranks"] = max(r["logits"] for r in both)
+        row["grads_2ranks"] = max(r["grads"] for r in both)
+    row["greedy_same"] = same_greedy_tokens(family, 0.5)
+    row["bf16_mismatch_default"] = bf16_routing_mismatch(family, None)
+    row["bf16_mismatch_std0.5"] = bf16_routing_mismatch(family, 0.5)
+    return row
+
+
+def refused(family: str) -> dict:
+    try:
+        replace_moe_blocks(tiny(family))
+    except (TypeError, ValueError) as e:
+        return {"family": family, "status": "refused", "error": str(e)}
+    return {"family": family, "status": "converted?!"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default=",".join(TINY), help="comma-separated families")
+    ap.add_argument("--no-ranks", action="store_true", help="skip the 2-rank measurement")
+    ap.add_argument("--markdown", action="store_true", help="print the docs table too")
+    args = ap.parse_args()
+    rows = []
+    cols = ["logits_default", "grads_default", "logits_std0.5", "grads_std0.5"]
+    cols += [] if args.no_ranks else ["logits_2ranks", "grads_2ranks"]
+    print(f"{'family':18s} " + " ".join(f"{c:>14s}" for c in cols) + "  greedy  bf16 (default/0.5)")
+    for fam in args.families.split(","):
+        if fam in REFUSED_TINY:
+            rows.append(refused(fam))
+            print(f"{fam:18s} refused: {rows[-1].get('error', '')}")
+            continue
+        row = measure(fam, not args.no_ranks)
+        rows.append(row)
+        figs = " ".join(f"{row[c]:14.1e}" for c in cols)
+        bf = f"{row['bf16_mismatch_default']:.2%} / {row['bf16_mismatch_std0.5']:.2%}"
+        print(f"{fam:18s} {figs}  {row['greedy_same']!s:6s}  {bf}", flush=True)
+    if args.families == ",".join(TINY):
+        rows += [refused(f) for f in REFUSED_TINY]
+    if args.markdown:
+        print(markdown(rows))
+    print(json.dumps({"hf_families": rows}))
+
+
+def _worst(row: dict, kind: str) -> float:
+    return max(v for k, v in row.items() if k.startswith(kind))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The docs table: one row per family, the worst figure of each kind over default init,
+    std 0.5 and 2 ranks."""
+    head = "| family | status | logits max abs diff | grads max abs diff | greedy | bf16 expert sets differ (default / std 0.5) |"
+    out = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "converted":
+            out.append(f"| {r['family']} | refused | - | - | - | - |")
+            continue
+        bf = f"{r['bf16_mismatch_default']:.2%} / {r['bf16_mismatch_std0.5']:.2%}"
+        same = "same tokens" if r["greedy_same"] else "DIFFER"
+        logits, grads = _worst(r, "logits_"), _worst(r, "grads_")
+        out.append(f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {bf} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
