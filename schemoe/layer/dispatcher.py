@@ -22,21 +22,22 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
 
 Host syncs of one layer call (forward and backward; tests/test_dispatcher.py counts them):
   * capacity mode, uniform tokens: none (C follows from T, a shape);
-  * dropless (or capacity with tokens that may differ between ranks): the received counts,
-    here, once per call when P > 1; and, in dropless mode, the router's own counts
-    (schemoe.routing.router reads its per-expert counts to size the sends). The experts add
-    none: grouped experts build their group offsets from the plan's host counts (a
-    host-to-device copy), and backward reuses the forward's plan.
+  * dropless (or capacity with tokens that may differ between ranks): one, here, per call: the
+    received counts after the exchange, read together with this rank's own counts in dropless
+    mode (the router keeps those on the device, `Routing.counts_E`, and sizes the buffer as
+    T k rows without reading them); on one process the counts alone. The experts add none:
+    grouped experts build their group offsets from the plan's host counts (a host-to-device
+    copy), and backward reuses the forward's plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..dist.devices import control_tensor
+from ..dist.devices import comm_device, control_tensor
 from ..dist.topology import Topology
 from ..routing.layout import Chunk, Partition, build_plan, decode, encode
 from ..routing.router import Routing
@@ -94,23 +95,40 @@ class TokenDispatcher:
         P = topology.world
         self.group = topology.subgroup(tuple(range(P)), tag="counts") if P > 1 else None
 
-    def _recv_counts(self, counts: tuple[int, ...], dropless: bool):
-        """A function returning [P][El] (the exchange is started now, read when called)."""
+    def _exchange(self, routing: Routing, dropless: bool):
+        """A function returning (counts, [P][El]): this rank's rows per expert (E) and the rows
+        every source rank sends to each local expert. The exchange starts now; the function
+        waits for it and reads the sizes back."""
         P, El = self.topology.world, self.num_local
-        if P == 1:
-            return lambda: (tuple(counts),)
-        if self.uniform_tokens and not dropless:
+        counts = routing.counts  # None in dropless mode: on the device only (counts_E)
+        if counts is not None and P == 1:
+            return lambda: (counts, (counts,))
+        if counts is not None and self.uniform_tokens and not dropless:
             # Every rank's buffer has C rows per expert (C from the same T): no exchange.
-            return lambda: ((counts[0],) * El,) * P
-        send = control_tensor(counts, dtype=torch.long, group=self.group)
+            return lambda: (counts, ((counts[0],) * El,) * P)
+        if P == 1:
+
+            def read() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+                own = routing.host_counts()  # host sync: the experts' group sizes, read once
+                return own, (own,)
+
+            return read
+        if counts is None:
+            send = routing.counts_E.to(comm_device(self.group))
+        else:
+            send = control_tensor(counts, dtype=torch.long, group=self.group)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         buffers = (send, recv)  # both held by `wait` until the exchange has completed
 
-        def wait() -> tuple[tuple[int, ...], ...]:
+        def wait() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
             work.wait()
-            flat = buffers[1].tolist()  # host sync: the splits must be known on the host
-            return tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
+            # host sync: the splits must be known on the host. One read, of the received
+            # counts and, in dropless mode, this rank's own (sent) counts with them.
+            both = buffers[1] if counts is not None else torch.cat(buffers[::-1])
+            flat = both.tolist()
+            sent = counts if counts is not None else tuple(flat[P * El :])
+            return sent, tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
 
         return wait
 
@@ -122,16 +140,25 @@ class TokenDispatcher:
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
         # 1. Start learning what every rank sends to this rank's experts.
-        recv_counts = self._recv_counts(routing.counts, dropless)
-        # 2. Scatter the tokens into the expert-major buffer meanwhile.
+        exchange = self._exchange(routing, dropless)
+        # 2. Scatter the tokens into the expert-major buffer meanwhile (N known without a read).
         rows_NM = encode(x_TM, routing)
-        # 3. Cut the buffer into the region's chunks.
-        recv = recv_counts()
-        plan = build_plan(
-            routing.counts, recv, self.topology.rank, self.chunks, self.partition, x_TM.device
-        )
-        meta = DispatchMeta(routing, x_TM.dtype, tuple(routing.counts), recv, tuple(plan))
+        # 3. Read the split sizes; cut the buffer into the region's chunks.
+        meta = self.plan(routing, exchange, x_TM.dtype, x_TM.device)
         return rows_NM, meta
+
+    def start(self, routing: Routing, *, dropless: bool = False):
+        """Step 1 of dispatch alone: start the counts exchange (see dispatch); pass the result
+        to `plan`. (For a caller that encodes elsewhere, e.g. in a compiled graph.)"""
+        return self._exchange(routing, dropless)
+
+    def plan(self, routing: Routing, exchange, dtype: torch.dtype, device) -> DispatchMeta:
+        """Step 3 of dispatch: wait for the exchange `start` began, read the split sizes (the
+        call's one host sync where there is one), and plan the chunks."""
+        counts, recv = exchange()
+        routing = replace(routing, counts=counts)
+        plan = build_plan(counts, recv, self.topology.rank, self.chunks, self.partition, device)
+        return DispatchMeta(routing, dtype, counts, recv, tuple(plan))
 
     def combine(self, rows_NM: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """The expert outputs back in token order, each token's k outputs weighted and summed
