@@ -95,12 +95,16 @@ class TokenDispatcher:
         P = topology.world
         self.group = topology.subgroup(tuple(range(P)), tag="counts") if P > 1 else None
 
-    def _exchange(self, routing: Routing, dropless: bool):
-        """A function returning (counts, [P][El]): this rank's rows per expert (E) and the rows
-        every source rank sends to each local expert. The exchange starts now; the function
+    def start_counts(
+        self, counts: tuple[int, ...] | None, counts_E: torch.Tensor | None, dropless: bool
+    ):
+        """Start learning the splits; returns a function giving (counts, [P][El]): this rank's
+        rows per expert (E) and the rows every source rank sends to each local expert.
+
+        `counts`: this rank's rows per expert on the host, or None (dropless mode) with
+        `counts_E`, the router's long [E] device counts. The exchange starts now; the function
         waits for it and reads the sizes back."""
         P, El = self.topology.world, self.num_local
-        counts = routing.counts  # None in dropless mode: on the device only (counts_E)
         if counts is not None and P == 1:
             return lambda: (counts, (counts,))
         if counts is not None and self.uniform_tokens and not dropless:
@@ -109,12 +113,12 @@ class TokenDispatcher:
         if P == 1:
 
             def read() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-                own = routing.host_counts()  # host sync: the experts' group sizes, read once
+                own = tuple(counts_E.tolist())  # host sync: the experts' group sizes, read once
                 return own, (own,)
 
             return read
         if counts is None:
-            send = routing.counts_E.to(comm_device(self.group))
+            send = counts_E.to(comm_device(self.group))
         else:
             send = control_tensor(counts, dtype=torch.long, group=self.group)
         recv = torch.empty_like(send)
@@ -132,6 +136,13 @@ class TokenDispatcher:
 
         return wait
 
+    def plan_chunks(self, exchange, device) -> tuple[tuple[int, ...], tuple, tuple[Chunk, ...]]:
+        """Wait for the exchange `start_counts` began, read the split sizes (the call's one host
+        sync where there is one) and plan the chunks: (counts, recv_counts, plan)."""
+        counts, recv = exchange()
+        plan = build_plan(counts, recv, self.topology.rank, self.chunks, self.partition, device)
+        return counts, recv, tuple(plan)
+
     def dispatch(
         self, x_TM: torch.Tensor, routing: Routing, *, dropless: bool = False
     ) -> tuple[torch.Tensor, DispatchMeta]:
@@ -140,25 +151,13 @@ class TokenDispatcher:
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
         # 1. Start learning what every rank sends to this rank's experts.
-        exchange = self._exchange(routing, dropless)
+        exchange = self.start_counts(routing.counts, routing.counts_E, dropless)
         # 2. Scatter the tokens into the expert-major buffer meanwhile (N known without a read).
         rows_NM = encode(x_TM, routing)
         # 3. Read the split sizes; cut the buffer into the region's chunks.
-        meta = self.plan(routing, exchange, x_TM.dtype, x_TM.device)
-        return rows_NM, meta
-
-    def start(self, routing: Routing, *, dropless: bool = False):
-        """Step 1 of dispatch alone: start the counts exchange (see dispatch); pass the result
-        to `plan`. (For a caller that encodes elsewhere, e.g. in a compiled graph.)"""
-        return self._exchange(routing, dropless)
-
-    def plan(self, routing: Routing, exchange, dtype: torch.dtype, device) -> DispatchMeta:
-        """Step 3 of dispatch: wait for the exchange `start` began, read the split sizes (the
-        call's one host sync where there is one), and plan the chunks."""
-        counts, recv = exchange()
+        counts, recv, plan = self.plan_chunks(exchange, x_TM.device)
         routing = replace(routing, counts=counts)
-        plan = build_plan(counts, recv, self.topology.rank, self.chunks, self.partition, device)
-        return DispatchMeta(routing, dtype, counts, recv, tuple(plan))
+        return rows_NM, DispatchMeta(routing, x_TM.dtype, counts, recv, plan)
 
     def combine(self, rows_NM: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """The expert outputs back in token order, each token's k outputs weighted and summed
