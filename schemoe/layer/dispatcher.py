@@ -15,9 +15,10 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
     tokens T at every call, the usual training case, declared by the user): every expert buffer
     holds C = ceil(f k T / E) rows on every rank, so the splits follow from the config: no
     exchange and no host sync;
-  * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts,
-    started before encode so it overlaps it, and one host sync (`.tolist()`) to read it: the
-    chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
+  * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts
+    (`dispatch` starts it before encode so it overlaps it; MoELayer.forward, which encodes in
+    the compiled graph, starts it after, see schemoe/layer/opaque.py) and one host sync
+    (`.tolist()`) to read it: the chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
     communicator (tag "counts"), not on the default group.
 
 Host syncs of one layer call (forward and backward; tests/test_dispatcher.py counts them):

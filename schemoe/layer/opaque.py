@@ -26,7 +26,18 @@ from .region import run_region
 __all__ = ["expert_parallel"]
 
 
-@torch.compiler.disable
+_WHY = "schemoe's scheduled expert-parallel region runs eagerly (schemoe/layer/opaque.py)"
+
+
+def _eager(fn):
+    """torch.compiler.disable(fn), with the reason dynamo reports where the torch has it."""
+    try:
+        return torch.compiler.disable(fn, reason=_WHY)
+    except TypeError:  # torch < 2.8: no `reason`
+        return torch.compiler.disable(fn)
+
+
+@_eager
 def expert_parallel(
     layer, rows_NM: torch.Tensor, x_TM: torch.Tensor, counts_E: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
