@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..dist.devices import comm_device, control_tensor
+from ..dist.devices import control_tensor, control_zeros
 from ..dist.topology import Topology
 from ..routing.layout import Chunk, Partition, build_plan, decode, encode
 from ..routing.router import Routing
@@ -119,7 +119,10 @@ class TokenDispatcher:
 
             return read
         if counts is None:
-            send = counts_E.to(comm_device(self.group))
+            # On the communicator's device: no copy where counts_E is there already (NCCL); with
+            # gloo and CUDA counts, a device-to-host copy, then the call's one device sync.
+            send = control_zeros(counts_E.shape, dtype=torch.long, group=self.group)
+            send.copy_(counts_E)
         else:
             send = control_tensor(counts, dtype=torch.long, group=self.group)
         recv = torch.empty_like(send)
