@@ -54,7 +54,7 @@ class Model(nn.Module):
 def _explain(fn, x) -> dict:
     torch._dynamo.reset()
     ex = torch._dynamo.explain(fn)(x)
-    reasons = [r.reason.splitlines()[0] for r in ex.break_reasons]
+    reasons = [" ".join(s.strip() for s in r.reason.splitlines()[:2]) for r in ex.break_reasons]
     return {"breaks": ex.graph_break_count, "graphs": ex.graph_count, "reasons": reasons}
 
 
