@@ -132,7 +132,10 @@ def test_a_capacity_mode_call_with_uniform_tokens_reads_nothing_back_forward_or_
 
 
 def test_a_dropless_call_reads_back_only_the_split_sizes(ranks):
-    # Two reads of split sizes: the router's own counts (schemoe.routing.router, to size the
-    # sends) and the received counts after the exchange (TokenDispatcher). Nothing else, and
-    # nothing in backward.
-    assert ranks(2).run(_layer_readbacks, 0.0, False) == [["tolist", "tolist"]] * 2
+    # One read of split sizes: the received counts after the exchange, together with this
+    # rank's own (the router keeps those on the device). Nothing else, nothing in backward.
+    assert ranks(2).run(_layer_readbacks, 0.0, False) == [["tolist"]] * 2
+
+
+def test_a_dropless_call_on_one_process_reads_back_only_its_counts():
+    assert _layer_readbacks(0, 1, 0.0, False) == ["tolist"]

@@ -165,7 +165,7 @@ def candidates(args, env, x, g, step: Callable, dtype) -> tuple[dict, list[dict]
         # The expert compute alone, one rank at a time: every expert on this rank's k T rows.
         gate = c.GateConfig(num_experts=s.experts, top_k=s.top_k, capacity_factor=0.0)
         w_EM = torch.randn(s.experts, args.model_dim, generator=torch.Generator().manual_seed(5))
-        counts = route(x.detach().float(), w_EM, gate).counts
+        counts = route(x.detach().float(), w_EM, gate).host_counts()
         N = sum(counts)
         x_NM = torch.randn(N, args.model_dim, dtype=dtype)
         g_NM = torch.randn_like(x_NM)

@@ -15,28 +15,30 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
     tokens T at every call, the usual training case, declared by the user): every expert buffer
     holds C = ceil(f k T / E) rows on every rank, so the splits follow from the config: no
     exchange and no host sync;
-  * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts,
-    started before encode so it overlaps it, and one host sync (`.tolist()`) to read it: the
-    chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
+  * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts
+    (`dispatch` starts it before encode so it overlaps it; MoELayer.forward, which encodes in
+    the compiled graph, starts it after, see schemoe/layer/opaque.py) and one host sync
+    (`.tolist()`) to read it: the chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
     communicator (tag "counts"), not on the default group.
 
 Host syncs of one layer call (forward and backward; tests/test_dispatcher.py counts them):
   * capacity mode, uniform tokens: none (C follows from T, a shape);
-  * dropless (or capacity with tokens that may differ between ranks): the received counts,
-    here, once per call when P > 1; and, in dropless mode, the router's own counts
-    (schemoe.routing.router reads its per-expert counts to size the sends). The experts add
-    none: grouped experts build their group offsets from the plan's host counts (a
-    host-to-device copy), and backward reuses the forward's plan.
+  * dropless (or capacity with tokens that may differ between ranks): one, here, per call: the
+    received counts after the exchange, read together with this rank's own counts in dropless
+    mode (the router keeps those on the device, `Routing.counts_E`, and sizes the buffer as
+    T k rows without reading them); on one process the counts alone. The experts add none:
+    grouped experts build their group offsets from the plan's host counts (a host-to-device
+    copy), and backward reuses the forward's plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..dist.devices import control_tensor
+from ..dist.devices import control_tensor, control_zeros
 from ..dist.topology import Topology
 from ..routing.layout import Chunk, Partition, build_plan, decode, encode
 from ..routing.router import Routing
@@ -94,25 +96,56 @@ class TokenDispatcher:
         P = topology.world
         self.group = topology.subgroup(tuple(range(P)), tag="counts") if P > 1 else None
 
-    def _recv_counts(self, counts: tuple[int, ...], dropless: bool):
-        """A function returning [P][El] (the exchange is started now, read when called)."""
+    def start_counts(
+        self, counts: tuple[int, ...] | None, counts_E: torch.Tensor | None, dropless: bool
+    ):
+        """Start learning the splits; returns a function giving (counts, [P][El]): this rank's
+        rows per expert (E) and the rows every source rank sends to each local expert.
+
+        `counts`: this rank's rows per expert on the host, or None (dropless mode) with
+        `counts_E`, the router's long [E] device counts. The exchange starts now; the function
+        waits for it and reads the sizes back."""
         P, El = self.topology.world, self.num_local
-        if P == 1:
-            return lambda: (tuple(counts),)
-        if self.uniform_tokens and not dropless:
+        if counts is not None and P == 1:
+            return lambda: (counts, (counts,))
+        if counts is not None and self.uniform_tokens and not dropless:
             # Every rank's buffer has C rows per expert (C from the same T): no exchange.
-            return lambda: ((counts[0],) * El,) * P
-        send = control_tensor(counts, dtype=torch.long, group=self.group)
+            return lambda: (counts, ((counts[0],) * El,) * P)
+        if P == 1:
+
+            def read() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+                own = tuple(counts_E.tolist())  # host sync: the experts' group sizes, read once
+                return own, (own,)
+
+            return read
+        if counts is None:
+            # On the communicator's device: no copy where counts_E is there already (NCCL); with
+            # gloo and CUDA counts, a device-to-host copy, then the call's one device sync.
+            send = control_zeros(counts_E.shape, dtype=torch.long, group=self.group)
+            send.copy_(counts_E)
+        else:
+            send = control_tensor(counts, dtype=torch.long, group=self.group)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         buffers = (send, recv)  # both held by `wait` until the exchange has completed
 
-        def wait() -> tuple[tuple[int, ...], ...]:
+        def wait() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
             work.wait()
-            flat = buffers[1].tolist()  # host sync: the splits must be known on the host
-            return tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
+            # host sync: the splits must be known on the host. One read, of the received
+            # counts and, in dropless mode, this rank's own (sent) counts with them.
+            both = buffers[1] if counts is not None else torch.cat(buffers[::-1])
+            flat = both.tolist()
+            sent = counts if counts is not None else tuple(flat[P * El :])
+            return sent, tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
 
         return wait
+
+    def plan_chunks(self, exchange, device) -> tuple[tuple[int, ...], tuple, tuple[Chunk, ...]]:
+        """Wait for the exchange `start_counts` began, read the split sizes (the call's one host
+        sync where there is one) and plan the chunks: (counts, recv_counts, plan)."""
+        counts, recv = exchange()
+        plan = build_plan(counts, recv, self.topology.rank, self.chunks, self.partition, device)
+        return counts, recv, tuple(plan)
 
     def dispatch(
         self, x_TM: torch.Tensor, routing: Routing, *, dropless: bool = False
@@ -122,16 +155,13 @@ class TokenDispatcher:
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
         # 1. Start learning what every rank sends to this rank's experts.
-        recv_counts = self._recv_counts(routing.counts, dropless)
-        # 2. Scatter the tokens into the expert-major buffer meanwhile.
+        exchange = self.start_counts(routing.counts, routing.counts_E, dropless)
+        # 2. Scatter the tokens into the expert-major buffer meanwhile (N known without a read).
         rows_NM = encode(x_TM, routing)
-        # 3. Cut the buffer into the region's chunks.
-        recv = recv_counts()
-        plan = build_plan(
-            routing.counts, recv, self.topology.rank, self.chunks, self.partition, x_TM.device
-        )
-        meta = DispatchMeta(routing, x_TM.dtype, tuple(routing.counts), recv, tuple(plan))
-        return rows_NM, meta
+        # 3. Read the split sizes; cut the buffer into the region's chunks.
+        counts, recv, plan = self.plan_chunks(exchange, x_TM.device)
+        routing = replace(routing, counts=counts)
+        return rows_NM, DispatchMeta(routing, x_TM.dtype, counts, recv, plan)
 
     def combine(self, rows_NM: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """The expert outputs back in token order, each token's k outputs weighted and summed

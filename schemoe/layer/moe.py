@@ -27,11 +27,13 @@ from ..config import MoEConfig
 from ..dist.topology import layer_topology
 from ..experts.ffn import BatchedFFN, ModuleExperts
 from ..routing import LoadMetrics, load_balancing_loss, route, router_z_loss, tally
+from ..routing.layout import decode, encode
 from ..routing.losses import update_balance_bias
 from ..scheduling import POLICIES, Direction, Schedule, TaskGraph
 from ..scheduling.background import Background
 from .dispatcher import TokenDispatcher
-from .region import Region, run_region
+from .opaque import expert_parallel
+from .region import Region
 from .shared import build_shared, region_schedule
 
 __all__ = ["NEEDS_TUNER", "MoELayer"]
@@ -223,6 +225,15 @@ class MoELayer(nn.Module):
         splits follow from the config. (The stack runtime, schemoe.step.stack, calls the steps one
         by one per micro-chunk; `balance=False` leaves the load-balancing term out of aux, for
         a caller that computes it over several calls.)"""
+        x_TM, routing, aux = self._route(x, balance)
+        # 2. Tokens into the expert-major buffer; splits and the chunk plan.
+        rows_NM, meta = self.dispatcher.dispatch(
+            x_TM, routing, dropless=self._running.gate.dropless
+        )
+        return rows_NM, meta, aux
+
+    def _route(self, x: torch.Tensor, balance: bool = True):
+        """Step 1: (x_TM, Routing, aux loss) of x, after the input checks."""
         self._check(x)
         self._check_ddp()
         cfg = self._running
@@ -250,14 +261,16 @@ class MoELayer(nn.Module):
                 )
         if self.record_routing and self.training:
             self._routing_counts = tally(self._routing_counts, routing)
-        # 2. Tokens into the expert-major buffer; splits and the chunk plan.
-        rows_NM, meta = self.dispatcher.dispatch(x_TM, routing, dropless=cfg.gate.dropless)
-        return rows_NM, meta, aux
+        return x_TM, routing, aux
 
     def region(self, meta) -> Region:
         """Step 3's region for one call: the chunk plan of `meta` under the running schedules."""
+        return self.region_of(meta.plan)
+
+    def region_of(self, plan) -> Region:
+        """The region of one call's chunk plan under the running schedules."""
         return Region(
-            meta.plan,
+            plan,
             self.algorithm,
             self.forward_compressor,
             self.backward_compressor,
@@ -277,13 +290,14 @@ class MoELayer(nn.Module):
         return self._schedules[Direction(direction)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows_NM, meta, aux = self.dispatch(x)
-        # 3. Dispatch, experts, combine: chunked and scheduled, forward and backward.
-        x_TM = None if self.shared is None else x.reshape(-1, self.config.experts.model_dim)
-        out = run_region(self.region(meta), rows_NM, x_TM)  # shared experts: (rows, s_TM)
-        out_NM, s_TM = (out, None) if x_TM is None else out
+        # 1-2. Route, and the tokens into the expert-major buffer (N rows known from T).
+        x_TM, routing, aux = self._route(x)
+        rows_NM = encode(x_TM, routing)
+        # 3. Splits, chunk plan, and the scheduled dispatch / experts / combine (forward and
+        # backward): eager under torch.compile, the layer's one graph break (opaque.py).
+        out_NM, s_TM = expert_parallel(self, rows_NM, x_TM, routing.counts_E)
         # 4. Weighted sum back in token order, plus the shared experts' output.
-        y_TM = self.dispatcher.combine(out_NM, meta)
+        y_TM = decode(out_NM, routing, x.dtype)
         y_TM = y_TM if s_TM is None else y_TM + s_TM
         return y_TM.view(x.shape), aux
 

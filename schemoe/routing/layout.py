@@ -46,38 +46,44 @@ class Partition(str, enum.Enum):
         return self.value
 
 
-def _kept(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token index, buffer row, weight) of every kept choice, in choice-major order."""
+def _choices(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token index, buffer row, weight, kept) of every choice, in choice-major order [k T].
+
+    Dropped choices are not filtered out (that would be a data-dependent shape, a graph break
+    under torch.compile): encode sends them to a spare row past the buffer, decode masks them."""
     slot = routing.slot_TK.t().reshape(-1)
-    T = routing.slot_TK.shape[0]
-    token = torch.arange(T, device=slot.device).repeat(routing.slot_TK.shape[1])
+    T, k = routing.slot_TK.shape
+    token = torch.arange(T, device=slot.device).repeat(k)
     weight = routing.weight_TK.t().reshape(-1)
-    keep = slot >= 0
-    return token[keep], slot[keep], weight[keep]
+    return token, slot, weight, slot >= 0
 
 
 def encode(x_TM: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Scatter tokens into the dispatch buffer [N, M] (each scaled by its choice's weight when
     the routing puts the weights on the experts' inputs)."""
-    token, slot, weight = _kept(routing)
-    rows = x_TM.new_zeros((routing.rows, x_TM.shape[1]))
+    token, slot, weight, kept = _choices(routing)
+    N = routing.rows
     picked = x_TM.index_select(0, token)
     if routing.weights_on_input:
         picked = picked * weight[:, None].to(picked.dtype)
-    return rows.index_copy(0, slot, picked)
+    rows = x_TM.new_zeros((N + 1, x_TM.shape[1]))  # row N: where dropped choices land
+    rows = rows.index_copy(0, torch.where(kept, slot, N), picked)
+    return rows[:N]
 
 
 def decode(rows_NM: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum of each token's expert outputs, accumulated in fp32, returned as `dtype`.
 
     On CPU index_add_ accumulates in a fixed order, so decode is deterministic there; on CUDA it
-    uses atomics and the k-way sum order can vary between runs (not yet run on CUDA).
+    uses atomics and the k-way sum order can vary between runs (not yet run on CUDA). A dropped
+    choice adds an exact zero (masked, so a non-finite row cannot leak into it).
     """
-    token, slot, weight = _kept(routing)
+    token, slot, weight, kept = _choices(routing)
     T = routing.slot_TK.shape[0]
-    picked = rows_NM.index_select(0, slot).float()
+    picked = rows_NM.index_select(0, slot.clamp(min=0)).float()
     if not routing.weights_on_input:  # else encode applied the weights
         picked = picked * weight[:, None]
+    picked = torch.where(kept[:, None], picked, 0.0)
     y = torch.zeros((T, rows_NM.shape[1]), device=rows_NM.device, dtype=torch.float32)
     return y.index_add(0, token, picked).to(dtype)
 

@@ -48,12 +48,23 @@ class Routing:
     expert_TK: torch.Tensor  # long, chosen expert per choice
     weight_TK: torch.Tensor  # fp32 combine weight (0 where dropped), differentiable
     slot_TK: torch.Tensor  # long, row in the dispatch buffer, -1 where dropped
-    counts: tuple[int, ...]  # rows per expert in the dispatch buffer (E entries)
+    # Rows per expert in the dispatch buffer (E entries) on the host; None in dropless mode until
+    # the dispatcher reads `counts_E` (once, with the exchanged counts; dataclasses.replace).
+    counts: tuple[int, ...] | None
+    counts_E: torch.Tensor | None = None  # long [E] on the device, dropless mode only
     weights_on_input: bool = False  # scale each choice's input by its weight, not its output
 
     @property
     def rows(self) -> int:
-        return sum(self.counts)
+        """N, the dispatch buffer's rows: sum(counts), or T * k in dropless mode (every choice
+        is kept), known without reading the counts."""
+        return sum(self.counts) if self.counts is not None else self.slot_TK.numel()
+
+    def host_counts(self) -> tuple[int, ...]:
+        """`counts`, read from `counts_E` where not known yet (then a host sync)."""
+        if self.counts is not None:
+            return self.counts
+        return tuple(int(c) for c in self.counts_E.tolist())  # host sync
 
 
 def capacity(cfg: GateConfig, tokens: int) -> int:
@@ -129,17 +140,20 @@ def route(
     pos_TK = torch.empty_like(expert_TK)
     pos_TK[order_T] = pos_flat.view(k, T).t()
 
-    # 4. Capacity and buffer rows.
+    # 4. Capacity and buffer rows: expert e owns rows [offset_e, offset_e + counts_e).
     if cfg.dropless:
-        counts_E = onehot.sum(0) if T > 0 else torch.zeros(E, dtype=torch.long)
-        counts = tuple(int(c) for c in counts_E.tolist())  # host sync: splits must be known
+        # Every choice kept (N = T k rows); the counts and offsets stay on the device, so the
+        # router reads nothing back: the dispatcher reads counts_E once, with the exchange.
+        counts, counts_E = None, onehot.sum(0)
+        offsets_E = counts_E.cumsum(0) - counts_E  # exclusive
         keep_TK = torch.ones_like(expert_TK, dtype=torch.bool)
     else:
+        # C rows per expert, C from the shape T alone: no data-dependent size (torch.compile).
         C = capacity(cfg, T)
-        counts = (C,) * E
+        counts, counts_E = (C,) * E, None
+        offsets_E = torch.arange(E, device=x_TM.device) * C
         keep_TK = pos_TK < C
-    offsets_E = torch.tensor((0,) + counts[:-1], device=x_TM.device).cumsum(0)
     slot_TK = torch.where(keep_TK, offsets_E[expert_TK] + pos_TK, torch.full_like(pos_TK, -1))
     weight_TK = weight_TK * keep_TK
     on_input = cfg.weights_on == "input"
-    return Routing(probs_TE, logits_TE, expert_TK, weight_TK, slot_TK, counts, on_input)
+    return Routing(probs_TE, logits_TE, expert_TK, weight_TK, slot_TK, counts, counts_E, on_input)
