@@ -210,5 +210,7 @@ def test_a_stop_request_inside_stop_deferred_is_raised_when_the_block_ends():
             time.sleep(0.05)  # the handler runs here, and must not raise yet
             done.append(True)
         assert done == [True]
+        with lifeline.stop_deferred():  # raised once: a later block ends quietly
+            pass
     finally:
         signal.signal(signal.SIGTERM, old)

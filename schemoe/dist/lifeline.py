@@ -176,6 +176,7 @@ class _Stop:
 
 
 def _raise_stop(signum: int) -> None:
+    _Stop.pending = None  # raised once: a later block's end must not raise it again
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Stopped(signum)
 
