@@ -10,8 +10,8 @@ weight layout or a dropped shared expert shows as an error of 1e-2 or more.
 
 Training (5 AdamW steps, lr 1e-2, the loss falling ~25%): each step's loss on 2 ranks within
 rel 1e-5 of the one-process unmodified model's (measured <= 3e-7, docs/training.md); AdamW
-normalises each update, so rounding differences grow over the steps but stay ~1e-7, while a
-missing dense all-reduce or a wrong expert shard moves the loss by 1e-3 or more.
+normalises each update, so rounding differences grow over the steps but stay ~1e-7 here, while
+dense gradients left un-averaged move Qwen2-MoE's loss by 9.4e-3 (relative) within the 5 steps.
 """
 
 from __future__ import annotations
