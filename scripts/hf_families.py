@@ -10,6 +10,9 @@ Per family, on the tiny random model of schemoe.integrations.hf_tiny (2 MoE laye
   with every MoE-block weight drawn from N(0, 0.5) ("std0.5"); on one process, and on 2 gloo
   ranks (std 0.5; each rank its own batch, dense gradients summed as DDP would, experts sharded);
 - greedy: 6 greedily generated tokens equal the unmodified model's (one process, std 0.5);
+- train_2ranks: 5 AdamW steps (lr 1e-2, std 0.5, the same 2 x (2 x 6)-token batch each step) of
+  the converted model expert-parallel on 2 ranks against the unmodified model on one process fed
+  both ranks' batches: the largest relative difference of a step's loss (hf_tiny.train_steps);
 - bf16: the share of (layer, token) pairs whose expert set differs between the family's own bf16
   router and MoELayer's fp32 one, on the same bf16 input of each layer (16 x 64 tokens, 2 layers).
 Refused families are listed with the error replace_moe_blocks raises.
@@ -29,11 +32,12 @@ from schemoe.integrations.hf_tiny import (
     compare,
     same_greedy_tokens,
     tiny,
+    train_steps,
 )
 
 
 def _two_ranks(rank: int, world: int, family: str) -> dict:
-    return compare(family, 0.5, rank, world)
+    return compare(family, 0.5, rank, world) | {"train": train_steps(family, 0.5, rank, world)}
 
 
 def measure(family: str, ranks: bool) -> dict:
@@ -45,6 +49,11 @@ def measure(family: str, ranks: bool) -> dict:
         both = spawn(_two_ranks, 2, family, timeout=300)
         row["logits_2ranks"] = max(r["logits"] for r in both)
         row["grads_2ranks"] = max(r["grads"] for r in both)
+        one = train_steps(family, 0.5)
+        row["train_losses"] = one
+        row["train_2ranks"] = max(
+            abs(a - b) / abs(a) for r in both for a, b in zip(one, r["train"])
+        )
     row["greedy_same"] = same_greedy_tokens(family, 0.5)
     row["bf16_mismatch_default"] = bf16_routing_mismatch(family, None)
     row["bf16_mismatch_std0.5"] = bf16_routing_mismatch(family, 0.5)
@@ -67,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     cols = ["logits_default", "grads_default", "logits_std0.5", "grads_std0.5"]
-    cols += [] if args.no_ranks else ["logits_2ranks", "grads_2ranks"]
+    cols += [] if args.no_ranks else ["logits_2ranks", "grads_2ranks", "train_2ranks"]
     print(f"{'family':18s} " + " ".join(f"{c:>14s}" for c in cols) + "  greedy  bf16 (default/0.5)")
     for fam in args.families.split(","):
         if fam in REFUSED_TINY:
@@ -93,16 +102,22 @@ def _worst(row: dict, kind: str) -> float:
 def markdown(rows: list[dict]) -> str:
     """The docs table: one row per family, the worst figure of each kind over default init,
     std 0.5 and 2 ranks."""
-    head = "| family | status | logits max abs diff | grads max abs diff | greedy | bf16 expert sets differ (default / std 0.5) |"
-    out = [head, "|---|---|---|---|---|---|"]
+    head = (
+        "| family | status | logits max abs diff | grads max abs diff | greedy "
+        "| 5 AdamW steps, 2 ranks: loss max rel diff | bf16 expert sets differ (default / std 0.5) |"
+    )
+    out = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "converted":
-            out.append(f"| {r['family']} | refused | - | - | - | - |")
+            out.append(f"| {r['family']} | refused | - | - | - | - | - |")
             continue
         bf = f"{r['bf16_mismatch_default']:.2%} / {r['bf16_mismatch_std0.5']:.2%}"
         same = "same tokens" if r["greedy_same"] else "DIFFER"
         logits, grads = _worst(r, "logits_"), _worst(r, "grads_")
-        out.append(f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {bf} |")
+        train = f"{r['train_2ranks']:.1e}" if "train_2ranks" in r else "-"
+        out.append(
+            f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {train} | {bf} |"
+        )
     return "\n".join(out)
 
 

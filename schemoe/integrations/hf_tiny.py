@@ -6,6 +6,7 @@ Legend: T tokens, E experts, k experts per token.
 
     model = tiny("deepseek_v3", std=0.5)     # 2 MoE layers, E 4..8, k 2, hidden 32
     compare("deepseek_v3", 0.5)             # {"logits": max|diff|, "grads": max|diff|, ...}
+    train_steps("deepseek_v3", 0.5)         # 5 AdamW steps' losses (rank, world: 2 ranks)
 
 `std`: None keeps the family's own initialisation (transformers' _init_weights); a number draws
 every weight of the MoE blocks (routers, experts, shared experts) from N(0, std), and the
@@ -22,11 +23,20 @@ import torch.distributed as dist
 import transformers as tf
 from torch import nn
 
+from ..layer.parallel import average_expert_gradients, dense_parameters
 from ..routing import route
 from .hf import SUPPORTED, HFMoEBlock, replace_moe_blocks
 from .hf_families import FAMILIES, to_moe_experts
 
-__all__ = ["REFUSED_TINY", "TINY", "bf16_routing_mismatch", "compare", "same_greedy_tokens", "tiny"]
+__all__ = [
+    "REFUSED_TINY",
+    "TINY",
+    "bf16_routing_mismatch",
+    "compare",
+    "same_greedy_tokens",
+    "tiny",
+    "train_steps",
+]
 
 VOCAB = 64
 _BASE = {
@@ -244,6 +254,61 @@ def compare(family: str, std: float | None, rank: int = 0, world: int = 1) -> di
         "logit_scale": float(outs[rank].logits.detach().abs().max()),
         "blocks": len(replaced),
     }
+
+
+def train_steps(
+    family: str,
+    std: float | None,
+    rank: int = 0,
+    world: int = 1,
+    steps: int = 5,
+    lr: float = 1e-2,
+    parts: int = 2,
+) -> list[float]:
+    """The loss of each of `steps` AdamW steps (fp32), the same data on one process and on
+    `world` ranks. Each step's batch is `parts` batches of 2 x 6 tokens, the same every step.
+
+    world 1: the unmodified model; the step's loss is the mean of its `parts` batches' losses
+    (each its own forward, as DDP's ranks: HF's load-balancing loss is per forward, so one
+    forward over all of them would not be the same objective). world > 1 (call on every rank of
+    the default group; parts == world): the converted model, experts sharded over the world
+    (E / world per rank), rank r feeds batch r; dense gradients all-reduced and divided by the
+    world (DDP's mean), expert gradients by average_expert_gradients; the loss reported is the
+    mean over the ranks, the same on every rank.
+    """
+    if world > 1 and parts != world:
+        raise ValueError(f"parts={parts} must equal world={world} on several ranks")
+    model = tiny(family, std).train()
+    if world > 1:
+        replace_moe_blocks(model)  # the default group: expert-parallel over the world
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    # The same batches every step: the model learns them and the loss falls, so the runs are
+    # compared along a trajectory that moves (fresh random tokens would keep it near ln(VOCAB)).
+    ids = torch.randint(3, VOCAB, (parts, 2, 6), generator=torch.Generator().manual_seed(7))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        if world == 1:
+            loss = sum(model(i, labels=i).loss for i in ids) / parts
+            loss.backward()
+            loss = loss.detach()
+        else:
+            loss = model(ids[rank], labels=ids[rank]).loss
+            loss.backward()
+            # Which dense weights got a gradient is the same on every rank (the model's
+            # structure), so the flat all-reduce sizes agree; None stays None, as on one process.
+            grads = [p.grad for p in dense_parameters(model) if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g)).div_(world)
+            average_expert_gradients(model)  # the all-to-all summed the ranks: / world
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        opt.step()
+        losses.append(float(loss))  # HOST SYNC (the loss, once a step)
+    return losses
 
 
 def same_greedy_tokens(family: str, std: float | None, new: int = 6) -> bool:
