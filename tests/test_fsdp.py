@@ -97,7 +97,7 @@ def _train(rank, world, extra):
     return T.train(rank, world, tiny(*extra))
 
 
-@pytest.mark.parametrize("ep_size", ["2", "4"])
+@pytest.mark.parametrize("ep_size", ["2"])  # EP 2 x shard 2; EP 4: scripts/fsdp_vs_ddp.py
 def test_fsdp_training_takes_the_same_losses_as_the_ddp_run_of_the_same_model(ranks, ep_size):
     extra = ["--ep-size", ep_size, "--steps", "6", "--eval-seqs", "0"]
     ddp = ranks(4).run(_train, extra)[0]
