@@ -9,6 +9,9 @@ Per family, on the tiny random model of schemoe.integrations.hf_tiny (2 MoE laye
   layout), converted vs unmodified, fp32, at the family's default initialisation ("default") and
   with every MoE-block weight drawn from N(0, 0.5) ("std0.5"); on one process, and on 2 gloo
   ranks (std 0.5; each rank its own batch, dense gradients summed as DDP would, experts sharded);
+- roundtrip: max|diff| of the logits of the family's own class loaded (`from_pretrained`) from
+  what `hf_export.save_pretrained` wrote for the converted model (std 0.5), against the converted
+  model's; one process, and on 2 ranks (the experts gathered from both);
 - greedy: 6 greedily generated tokens equal the unmodified model's (one process, std 0.5);
 - train_2ranks: 5 AdamW steps (lr 1e-2, std 0.5, the same 2 x (2 x 6)-token batch each step) of
   the converted model expert-parallel on 2 ranks against the unmodified model on one process fed
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+
+import transformers as tf
 
 from schemoe.dist.launch import spawn
 from schemoe.integrations.hf import replace_moe_blocks
@@ -30,14 +36,19 @@ from schemoe.integrations.hf_tiny import (
     TINY,
     bf16_routing_mismatch,
     compare,
+    round_trip,
     same_greedy_tokens,
     tiny,
     train_steps,
 )
 
 
-def _two_ranks(rank: int, world: int, family: str) -> dict:
-    return compare(family, 0.5, rank, world) | {"train": train_steps(family, 0.5, rank, world)}
+def _two_ranks(rank: int, world: int, family: str, path: str) -> dict:
+    tf.utils.logging.disable_progress_bar()  # from_pretrained's and save_pretrained's bars
+    return compare(family, 0.5, rank, world) | {
+        "train": train_steps(family, 0.5, rank, world),
+        "roundtrip": round_trip(family, 0.5, path, rank, world),
+    }
 
 
 def measure(family: str, ranks: bool) -> dict:
@@ -45,8 +56,12 @@ def measure(family: str, ranks: bool) -> dict:
     for name, std in (("default", None), ("std0.5", 0.5)):
         r = compare(family, std)
         row[f"logits_{name}"], row[f"grads_{name}"] = r["logits"], r["grads"]
+    with tempfile.TemporaryDirectory() as d:
+        row["roundtrip_1proc"] = round_trip(family, 0.5, d)
     if ranks:
-        both = spawn(_two_ranks, 2, family, timeout=300)
+        with tempfile.TemporaryDirectory() as d:
+            both = spawn(_two_ranks, 2, family, d, timeout=300)
+        row["roundtrip_2ranks"] = max(r["roundtrip"] for r in both)
         row["logits_2ranks"] = max(r["logits"] for r in both)
         row["grads_2ranks"] = max(r["grads"] for r in both)
         one = train_steps(family, 0.5)
@@ -75,8 +90,10 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="print the docs table too")
     args = ap.parse_args()
     rows = []
-    cols = ["logits_default", "grads_default", "logits_std0.5", "grads_std0.5"]
-    cols += [] if args.no_ranks else ["logits_2ranks", "grads_2ranks", "train_2ranks"]
+    tf.utils.logging.disable_progress_bar()  # from_pretrained's and save_pretrained's bars
+    cols = ["logits_default", "grads_default", "logits_std0.5", "grads_std0.5", "roundtrip_1proc"]
+    cols += [] if args.no_ranks else ["logits_2ranks", "grads_2ranks", "train_2ranks",
+                                      "roundtrip_2ranks"]  # fmt: skip
     print(f"{'family':18s} " + " ".join(f"{c:>14s}" for c in cols) + "  greedy  bf16 (default/0.5)")
     for fam in args.families.split(","):
         if fam in REFUSED_TINY:
@@ -104,19 +121,22 @@ def markdown(rows: list[dict]) -> str:
     std 0.5 and 2 ranks."""
     head = (
         "| family | status | logits max abs diff | grads max abs diff | greedy "
-        "| 5 AdamW steps, 2 ranks: loss max rel diff | bf16 expert sets differ (default / std 0.5) |"
+        "| 5 AdamW steps, 2 ranks: loss max rel diff | save_pretrained -> from_pretrained: logits "
+        "max abs diff | bf16 expert sets differ (default / std 0.5) |"
     )
-    out = [head, "|---|---|---|---|---|---|---|"]
+    out = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "converted":
-            out.append(f"| {r['family']} | refused | - | - | - | - | - |")
+            out.append(f"| {r['family']} | refused | - | - | - | - | - | - |")
             continue
         bf = f"{r['bf16_mismatch_default']:.2%} / {r['bf16_mismatch_std0.5']:.2%}"
         same = "same tokens" if r["greedy_same"] else "DIFFER"
         logits, grads = _worst(r, "logits_"), _worst(r, "grads_")
         train = f"{r['train_2ranks']:.1e}" if "train_2ranks" in r else "-"
+        back = _worst(r, "roundtrip_")
         out.append(
-            f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {train} | {bf} |"
+            f"| {r['family']} | converted | {logits:.1e} | {grads:.1e} | {same} | {train} "
+            f"| {back:.1e} | {bf} |"
         )
     return "\n".join(out)
 

@@ -7,6 +7,7 @@ Legend: T tokens, E experts, k experts per token.
     model = tiny("deepseek_v3", std=0.5)     # 2 MoE layers, E 4..8, k 2, hidden 32
     compare("deepseek_v3", 0.5)             # {"logits": max|diff|, "grads": max|diff|, ...}
     train_steps("deepseek_v3", 0.5)         # 5 AdamW steps' losses (rank, world: 2 ranks)
+    round_trip("deepseek_v3", 0.5, "out/")  # save_pretrained -> family from_pretrained: max|diff|
 
 `std`: None keeps the family's own initialisation (transformers' _init_weights); a number draws
 every weight of the MoE blocks (routers, experts, shared experts) from N(0, std), and the
@@ -26,6 +27,7 @@ from torch import nn
 from ..layer.parallel import average_expert_gradients, dense_parameters
 from ..routing import route
 from .hf import SUPPORTED, HFMoEBlock, replace_moe_blocks
+from .hf_export import save_pretrained
 from .hf_families import FAMILIES, to_moe_experts
 
 __all__ = [
@@ -309,6 +311,22 @@ def train_steps(
         opt.step()
         losses.append(float(loss))  # HOST SYNC (the loss, once a step)
     return losses
+
+
+def round_trip(family: str, std: float | None, path: str, rank: int = 0, world: int = 1) -> float:
+    """max|diff| of the logits of the family's own class loaded (`from_pretrained`) from what
+    `save_pretrained` wrote for the converted model, against the converted model's. With
+    world > 1 (every rank of the default group calls it, `path` shared), the experts are
+    gathered from the ranks and each rank compares its own batch."""
+    conv = tiny(family, std)
+    replace_moe_blocks(conv)
+    save_pretrained(conv, path)  # collective when the experts span ranks
+    back = type(conv).from_pretrained(path)
+    ids = _ids(rank)
+    with torch.no_grad():
+        want = conv(ids).logits  # collective when the experts span ranks
+        got = back(ids).logits
+    return float((got - want).abs().max())
 
 
 def same_greedy_tokens(family: str, std: float | None, new: int = 6) -> bool:
