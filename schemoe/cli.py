@@ -14,7 +14,7 @@ from .cliargs import Parser
 from .dist.lifeline import Interrupted
 from .profile import cli as profile_cli
 from .testbed import cli as testbed_cli
-from .train import loop as train_cli
+from .train import command as train_cli
 
 __all__ = ["build_parser", "main"]
 

@@ -17,7 +17,7 @@ from schemoe.dist import launch
 from schemoe.profile import cli as profile_cli
 from schemoe.testbed import launch as testbed_launch
 from schemoe.testbed import netns
-from schemoe.train import loop as train_loop
+from schemoe.train import command as train_loop
 
 # (argv, the flag the line names, the value it names); {tmp} is the case's tmp_path.
 CASES = {
