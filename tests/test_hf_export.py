@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from hf_cases import FAMILIES, build
 
 from moe_cases import close
@@ -27,6 +28,7 @@ from schemoe.integrations.hf_export import (
     load_pretrained_into,
     save_pretrained,
 )
+from schemoe.integrations.hf_tiny import perturb
 
 
 def _trained(name: str) -> torch.nn.Module:
@@ -34,21 +36,13 @@ def _trained(name: str) -> torch.nn.Module:
     the same on every rank: each expert's change depends on its global index only."""
     model = build(name)
     replace_moe_blocks(model)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            if getattr(p, "schemoe_expert", False):
-                E = p.shape[0] * (torch.distributed.get_world_size() if _dist() else 1)
-                noise = torch.randn((E, *p.shape[1:]), generator=g)
-                rank = torch.distributed.get_rank() if _dist() else 0
-                p.add_(0.1 * noise[rank * p.shape[0] : (rank + 1) * p.shape[0]])
-            else:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _dist() else (0, 1)
+    perturb(model, rank, world)
     return model
 
 
 def _dist() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return dist.is_available() and dist.is_initialized()
 
 
 def _ids(rank: int) -> torch.Tensor:

@@ -35,6 +35,8 @@ __all__ = [
     "TINY",
     "bf16_routing_mismatch",
     "compare",
+    "perturb",
+    "round_trip",
     "same_greedy_tokens",
     "tiny",
     "train_steps",
@@ -313,13 +315,28 @@ def train_steps(
     return losses
 
 
+def perturb(model: nn.Module, rank: int, world: int) -> None:
+    """Add 0.1 N(0, 1) to every weight, the same on every rank: an expert's change depends on
+    its global index only, so the model is the same one however its experts are spread."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "schemoe_expert", False):  # [E / world, ...]: this rank's slice
+                noise = torch.randn((p.shape[0] * world, *p.shape[1:]), generator=g)
+                p.add_(0.1 * noise[rank * p.shape[0] : (rank + 1) * p.shape[0]])
+            else:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
 def round_trip(family: str, std: float | None, path: str, rank: int = 0, world: int = 1) -> float:
     """max|diff| of the logits of the family's own class loaded (`from_pretrained`) from what
-    `save_pretrained` wrote for the converted model, against the converted model's. With
+    `save_pretrained` wrote for the converted model, every weight of which has moved after
+    conversion (as training moves them), against the converted model's. With
     world > 1 (every rank of the default group calls it, `path` shared), the experts are
     gathered from the ranks and each rank compares its own batch."""
     conv = tiny(family, std)
     replace_moe_blocks(conv)
+    perturb(conv, rank, world)
     save_pretrained(conv, path)  # collective when the experts span ranks
     back = type(conv).from_pretrained(path)
     ids = _ids(rank)
