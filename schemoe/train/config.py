@@ -128,6 +128,11 @@ def spelled_with_flags(e: Exception, names: Mapping[str, str], section: str) -> 
     return type(e)(text)
 
 
+def _gate(name: str) -> Any:
+    """The default of GateConfig field `name`, as a TrainConfig field's default."""
+    return next(f.default for f in fields(layer_config.GateConfig) if f.name == name)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Every `schemoe train` setting; the defaults are the command line's (see `--help`)."""
@@ -146,21 +151,22 @@ class TrainConfig:
     model_dim: int = 128
     hidden_dim: int = 256
     experts: int | None = None
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    renormalize: bool = True
-    noise_std: float = 0.0
-    priority: str = "position"
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.0
-    bias_update_rate: float = 0.0
-    score: str = "softmax"
-    expert_groups: int = 1
-    top_groups: int | None = None
-    routed_scale: float = 1.0
-    group_score: str = "top2"
-    router_bias: bool = False
-    weights_on: str = "output"
+    # routing: GateConfig's defaults (the layer's and the command line's are one)
+    top_k: int = _gate("top_k")
+    capacity_factor: float = _gate("capacity_factor")
+    renormalize: bool = _gate("renormalize")
+    noise_std: float = _gate("noise_std")
+    priority: str = _gate("priority")
+    aux_loss_weight: float = _gate("aux_loss_weight")
+    z_loss_weight: float = _gate("z_loss_weight")
+    bias_update_rate: float = _gate("bias_update_rate")
+    score: str = _gate("score")
+    expert_groups: int = _gate("groups")
+    top_groups: int | None = _gate("top_groups")
+    routed_scale: float = _gate("scale")
+    group_score: str = _gate("group_score")
+    router_bias: bool = _gate("logit_bias")
+    weights_on: str = _gate("weights_on")
     activation: str = "gelu"
     expert_bias: bool = False
     experts_impl: str = "grouped"
