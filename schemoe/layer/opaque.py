@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..routing.router import capacity
+from .recompute import selective
 from .region import run_region
 
 __all__ = ["expert_parallel"]
@@ -46,7 +47,12 @@ def expert_parallel(
     capacity mode, where they follow from T), plan the chunks, run the scheduled region.
 
     Returns (combined rows [N, M], shared experts' output [T, M] or None). Collective unless the
-    splits follow from the config."""
+    splits follow from the config; in a checkpointed block's recomputation (recompute.py) the
+    first forward's outputs, nothing run."""
+    return selective(layer, rows_NM, lambda: _run(layer, rows_NM, x_TM, counts_E))
+
+
+def _run(layer, rows_NM: torch.Tensor, x_TM: torch.Tensor, counts_E: torch.Tensor | None):
     cfg = layer.running
     dispatcher = layer.dispatcher
     E = cfg.gate.num_experts
