@@ -115,11 +115,19 @@ CASES = {
 }
 
 
+def checkpointed(recompute_experts: bool):
+    def wrap(block, x):
+        return checkpoint_block(block, x, recompute_experts=recompute_experts)
+
+    return wrap
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute-experts", "keep-experts"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_checkpointed_block_gradients_equal_the_plain_ones_bitwise_on_one_process(case):
+def test_checkpointed_block_gradients_equal_the_plain_ones_bitwise_on_one_process(case, recompute):
     config = cfg(*CASES[case])
     want, _, _, starts = step(config, plain)
-    got, _, _, got_starts = step(config, checkpoint_block)
+    got, _, _, got_starts = step(config, checkpointed(recompute))
     assert_same(got, want)
     assert got_starts == starts > 0  # the recomputation started no transfer
 
@@ -127,16 +135,20 @@ def test_checkpointed_block_gradients_equal_the_plain_ones_bitwise_on_one_proces
 def _ranks_case(rank, world, case):
     config = cfg(*CASES[case])
     want, _, calls, starts = step(config, plain, world, rank)
-    got, _, got_calls, got_starts = step(config, checkpoint_block, world, rank)
-    assert_same(got, want)
-    return calls, got_calls, starts, got_starts
+    out = []
+    for recompute in (True, False):
+        got, _, got_calls, got_starts = step(config, checkpointed(recompute), world, rank)
+        assert_same(got, want)
+        out.append((calls, got_calls, starts, got_starts))
+    return out
 
 
 @pytest.mark.parametrize("case", ["capacity-shared", "dropless"])
 def test_checkpointed_block_on_two_ranks_matches_and_issues_the_plain_all_to_alls(ranks, case):
-    for calls, got_calls, starts, got_starts in ranks(2).run(_ranks_case, case):
-        assert got_calls == calls > 0
-        assert got_starts == starts > 0
+    for per_rank in ranks(2).run(_ranks_case, case):
+        for calls, got_calls, starts, got_starts in per_rank:
+            assert got_calls == calls > 0
+            assert got_starts == starts > 0
 
 
 def test_the_recomputation_counts_no_expert_load_twice():
@@ -200,3 +212,23 @@ def test_a_recomputation_that_calls_other_moe_layers_than_the_forward_raises():
     y = checkpoint_block(fickle, x)
     with pytest.raises(RuntimeError, match="same layers"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute-experts", "keep-experts"])
+def test_the_experts_run_again_in_backward_only_when_recomputed(recompute):
+    config = cfg(1.25, True)
+    torch.manual_seed(0)
+    block = Block(config)
+    runs = {"experts": 0, "shared": 0}
+    block.moe.experts.register_forward_pre_hook(
+        lambda *_: runs.__setitem__("experts", 1 + runs["experts"])
+    )
+    block.moe.shared.register_forward_pre_hook(
+        lambda *_: runs.__setitem__("shared", 1 + runs["shared"])
+    )
+    x = torch.randn(6, M, requires_grad=True)
+    y, aux = checkpoint_block(block, x, recompute_experts=recompute)
+    forward = dict(runs)
+    (y.square().sum() + aux).backward()
+    assert forward["experts"] > 0 and forward["shared"] == 1
+    assert runs == {k: n * (2 if recompute else 1) for k, n in forward.items()}

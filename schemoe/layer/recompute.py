@@ -4,23 +4,28 @@ Legend: N dispatch-buffer rows of this rank, T tokens of this rank, M model dim.
 
 A block run under `torch.utils.checkpoint` (non-reentrant) drops the tensors its forward saved
 for backward and recomputes them, by running the block's forward again, when backward first needs
-one. Run naively, that second forward repeats each MoE layer's expert-parallel step: the counts
-exchange, the dispatch and combine all-to-alls and the experts. The context below keeps that step
-instead and recomputes everything else of the block:
+one. Run naively, that second forward repeats each MoE layer's expert-parallel step (the counts
+exchange, the dispatch and combine all-to-alls, the experts), and the region's backward, whose
+per-chunk gradients are separate autograd calls, triggers yet more recomputations. The context
+below recomputes the block but never its all-to-alls:
 
-  * first forward ("record"): each MoE layer call runs its scheduled region as usual; the
-    region's own autograd Function keeps what its backward needs (each chunk's received rows and
-    expert graph, the shared experts' graph) outside the checkpoint, and the call's outputs
-    (combined rows [N, M], shared output [T, M]) go on a tape in call order;
-  * recomputation ("replay"): each MoE layer call routes and encodes again (cheap, and its saved
-    tensors are the ones checkpointing dropped) but takes its region outputs from the tape: no
-    all-to-all, no expert forward, no host sync; the region's backward then runs exactly once,
-    from the graph of the first forward, so every rank issues the same collectives as without
-    checkpointing, in the same order.
+  * first forward ("record"): each MoE layer call runs its scheduled region as usual, its outputs
+    (combined rows [N, M], shared output [T, M]) go on a tape in call order, and the region's own
+    autograd Function keeps its backward state outside the block's checkpoint. With
+    `recompute_experts` (the default) each chunk's expert call (and the shared experts' call) runs
+    under a checkpoint of its own: the region keeps the rows the dispatch all-to-all delivered and
+    the region's backward recomputes the experts' activations from them (local compute, no
+    transfer); without it the region keeps the experts' activations too;
+  * recomputation ("replay"): each MoE layer call routes and encodes again (its saved tensors are
+    among those the checkpoint dropped) but takes its region outputs from the tape: no all-to-all,
+    no expert forward, no host sync. The region's backward runs exactly once per call, from the
+    first forward's graph, so every rank issues the plain run's collectives in the same order.
 
-Kept per MoE layer call: the combined rows [N, M] (and the shared output [T, M]) plus what the
-region keeps anyway; recomputed: everything else in the block (attention, norms, the router,
-encode and decode). The tape lives with the checkpoint's frame: it is freed with the graph.
+Kept per MoE layer call: the combined rows [N, M] (and shared output [T, M]), the received rows
+[N, M] and each chunk's expert output (the root its backward starts from); with
+`recompute_experts=False` also every saved expert activation (e.g. [N, H] per FFN layer).
+Recomputed: everything else in the block (attention, norms, the router, encode and decode). The
+tape lives with the checkpoint's frame: it is freed with the graph.
 
 Use `checkpoint_block(block, *args)`, or pass `context_fn=moe_checkpoint_context` to
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` or to torch's `checkpoint_wrapper`.
@@ -28,8 +33,10 @@ Use `checkpoint_block(block, *args)`, or pass `context_fn=moe_checkpoint_context
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,7 +54,8 @@ _active = threading.local()
 class _Tape:
     """The expert-parallel outputs of one checkpointed call's MoE layer calls, in call order."""
 
-    def __init__(self) -> None:
+    def __init__(self, recompute_experts: bool) -> None:
+        self.recompute_experts = recompute_experts
         self.entries: list[tuple[int, Any]] = []  # (id of the layer, its outputs)
         self.cursor = 0  # next entry a replay hands out
 
@@ -69,21 +77,31 @@ class _Mode:
         _active.stack.pop()
 
 
-def moe_checkpoint_context() -> tuple[_Mode, _Mode]:
+def moe_checkpoint_context(*, recompute_experts: bool = True) -> tuple[_Mode, _Mode]:
     """The `context_fn` of `torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)` that
-    makes the MoE layers inside `fn` keep their expert-parallel step instead of recomputing it
-    (module docstring). Returns (forward context, recompute context)."""
-    tape = _Tape()
+    makes the MoE layers inside `fn` keep their all-to-alls' results instead of recomputing them
+    (module docstring). `recompute_experts=False` (pass it through functools.partial) keeps the
+    experts' activations too: no expert recomputation, more memory. Returns (forward context,
+    recompute context)."""
+    tape = _Tape(recompute_experts)
     return _Mode("record", tape), _Mode("replay", tape)
 
 
-def checkpoint_block(block: Callable, *args: Any, use_reentrant: bool = False, **kwargs: Any):
+def checkpoint_block(
+    block: Callable,
+    *args: Any,
+    recompute_experts: bool = True,
+    use_reentrant: bool = False,
+    **kwargs: Any,
+):
     """`block(*args, **kwargs)` under non-reentrant activation checkpointing, its MoE layers'
     all-to-alls and experts kept rather than recomputed (module docstring).
 
     Args:
         block: the module or function to checkpoint (e.g. a transformer block).
         *args: its positional arguments (tensors as for torch.utils.checkpoint).
+        recompute_experts: recompute the experts' activations in the region's backward from the
+            kept received rows (default: least memory); False keeps them (no expert recompute).
         use_reentrant: must be False (the default): reentrant checkpointing runs the first forward
             without autograd and cannot keep the region's backward state.
         **kwargs: passed to `block`, except those torch.utils.checkpoint.checkpoint takes
@@ -103,9 +121,8 @@ def checkpoint_block(block: Callable, *args: Any, use_reentrant: bool = False, *
             "checkpoint_block sets context_fn itself (schemoe.moe_checkpoint_context); call "
             "torch.utils.checkpoint.checkpoint directly for another context_fn"
         )
-    return checkpoint(
-        block, *args, use_reentrant=False, context_fn=moe_checkpoint_context, **kwargs
-    )
+    context_fn = functools.partial(moe_checkpoint_context, recompute_experts=recompute_experts)
+    return checkpoint(block, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def _current() -> tuple[str, _Tape] | None:
@@ -135,22 +152,51 @@ def _like(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
 
-def selective(layer: torch.nn.Module, rows_NM: torch.Tensor, run: Callable[[], tuple]) -> tuple:
-    """`run()`, a MoE layer's expert-parallel step on rows [N, M], returning (out [N, M], shared
-    out [T, M] or None), under the active checkpoint context, if any:
+class _Recomputed:
+    """A region's experts (or shared experts) whose every call under autograd runs under a
+    checkpoint of its own: the graph keeps the call's input rows and recomputes the activations
+    when the region's backward differentiates it. Inside the record's hooks (`_pack`), so those
+    input rows are kept rather than dropped by the block's checkpoint."""
 
-      * none: `run()`;
-      * record: `run()` with torch's saved-tensor hooks set aside (the region keeps its backward
-        state itself), its outputs put on the tape;
-      * replay: the outputs the record put on the tape for this call, `run()` not called.
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def __call__(self, *args):
+        if not torch.is_grad_enabled():
+            return self.module(*args)
+        return checkpoint(self.module, *args, use_reentrant=False)
+
+
+def _recomputed(region):
+    shared = None if region.shared is None else _Recomputed(region.shared)
+    return replace(region, experts=_Recomputed(region.experts), shared=shared)
+
+
+def _same(region):
+    return region
+
+
+def selective(layer: torch.nn.Module, rows_NM: torch.Tensor, run: Callable[[Callable], tuple]):
+    """`run(wrap)`, a MoE layer's expert-parallel step on rows [N, M] that runs the region
+    `wrap(region)` and returns (out [N, M], shared out [T, M] or None), under the active
+    checkpoint context, if any:
+
+      * none: `run` as is;
+      * record: `run` with torch's saved-tensor hooks set aside (the region keeps its backward
+        state itself), its experts checkpointed if the context recomputes them, its outputs put
+        on the tape;
+      * replay: the outputs the record put on the tape for this call, `run` not called.
     """
     cur = _current()
     if cur is None:
-        return run()
+        return run(_same)
     mode, tape = cur
     if mode == "record":
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            out = run()
+            out = run(_recomputed if tape.recompute_experts else _same)
         tape.entries.append((id(layer), tuple(_like(t) for t in out)))
         return out
     if tape.cursor >= len(tape.entries) or tape.entries[tape.cursor][0] != id(layer):
