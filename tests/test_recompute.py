@@ -1,6 +1,7 @@
 """Activation checkpointing of blocks holding MoE layers (schemoe/layer/recompute.py): gradients
 equal the plain run's, forward and backward, on 1 process and 2 gloo ranks; the recomputation
-repeats no all-to-all; misuse answered with a clear error."""
+repeats no all-to-all; `schemoe train --activation-checkpointing` has the plain losses; misuse
+answered with a clear error."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from schemoe import (
     checkpoint_block,
     moe_checkpoint_context,
 )
+from schemoe.train import loop as T
+from train_cases import tiny
 
 E, M, H = 4, 8, 12
 
@@ -232,3 +235,18 @@ def test_the_experts_run_again_in_backward_only_when_recomputed(recompute):
     (y.square().sum() + aux).backward()
     assert forward["experts"] > 0 and forward["shared"] == 1
     assert runs == {k: n * (2 if recompute else 1) for k, n in forward.items()}
+
+
+def _train(rank, world, extra):
+    return T.train(rank, world, tiny("--steps", "2", *extra))["losses"]
+
+
+def test_schemoe_train_with_activation_checkpointing_has_the_plain_runs_losses(ranks):
+    plain_losses = ranks(2).run(_train, [])
+    ckpt_losses = ranks(2).run(_train, ["--activation-checkpointing"])
+    assert ckpt_losses == plain_losses and len(plain_losses[0]) == 2
+
+
+def test_activation_checkpointing_refuses_micro_chunks():
+    with pytest.raises(ValueError, match="--activation-checkpointing"):
+        tiny("--activation-checkpointing", "--micro-chunks", "2")
