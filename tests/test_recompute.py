@@ -237,6 +237,19 @@ def test_the_experts_run_again_in_backward_only_when_recomputed(recompute):
     assert runs == {k: n * (2 if recompute else 1) for k, n in forward.items()}
 
 
+def test_a_checkpointed_block_nested_in_another_raises_in_the_recomputation():
+    block = Block(cfg(1.25, False))
+    x = torch.randn(4, M, requires_grad=True)
+
+    def outer(h):  # needs the inner block's output again in its own recomputation
+        y, aux = checkpoint_block(block, h)
+        return torch.tanh(y), aux
+
+    y, aux = checkpoint_block(outer, x)
+    with pytest.raises(RuntimeError, match="nested inside another is not supported"):
+        (y.sum() + aux).backward()
+
+
 def _train(rank, world, extra):
     return T.train(rank, world, tiny("--steps", "2", *extra))["losses"]
 

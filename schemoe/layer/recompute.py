@@ -194,6 +194,12 @@ def selective(layer: torch.nn.Module, rows_NM: torch.Tensor, run: Callable[[Call
     if cur is None:
         return run(_same)
     mode, tape = cur
+    if mode == "record" and any(m == "replay" for m, _ in _active.stack):
+        raise RuntimeError(
+            "checkpoint_block (or moe_checkpoint_context) nested inside another is not "
+            "supported: the outer recomputation would run the inner block's all-to-alls again; "
+            "checkpoint the blocks side by side, each once"
+        )
     if mode == "record":
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             out = run(_recomputed if tape.recompute_experts else _same)
