@@ -56,11 +56,18 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (a view, an in-place or out= op) allocated nothing; this
+        # also keeps storages made before the step (parameters, inputs) out of the count.
+        seen = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 st = t.untyped_storage()
                 key = st.data_ptr()
-                if key and key not in self.live:
+                if key and key not in self.live and key not in seen:
                     n = st.nbytes()
                     self.live[key] = weakref.ref(st, lambda _, k=key, n=n: self._free(k, n))
                     self.now += n
