@@ -21,11 +21,16 @@ below recomputes the block but never its all-to-alls:
     no expert forward, no host sync. The region's backward runs exactly once per call, from the
     first forward's graph, so every rank issues the plain run's collectives in the same order.
 
-Kept per MoE layer call: the combined rows [N, M] (and shared output [T, M]), the received rows
-[N, M] and each chunk's expert output (the root its backward starts from); with
-`recompute_experts=False` also every saved expert activation (e.g. [N, H] per FFN layer).
-Recomputed: everything else in the block (attention, norms, the router, encode and decode). The
-tape lives with the checkpoint's frame: it is freed with the graph.
+Kept per MoE layer call: the combined rows [N, M], the received rows [N, M] and each chunk's
+expert output (the root its backward starts from), with shared experts their input and output
+[T, M]; with `recompute_experts=False` also every saved expert activation (e.g. [N, H] per FFN
+layer). Recomputed: everything else in the block (attention, norms, the router, encode and
+decode). The tape lives with the checkpoint's frame: it is freed with the graph.
+
+Why not torch's selective checkpointing (`create_selective_checkpoint_contexts` with a policy
+that saves the region's outputs): it caches the outputs of dispatcher ops, and the region is an
+autograd Function around a Python executor, not an op; a custom op wrapping it could not hand
+its backward the region's per-chunk graphs.
 
 Use `checkpoint_block(block, *args)`, or pass `context_fn=moe_checkpoint_context` to
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` or to torch's `checkpoint_wrapper`.
