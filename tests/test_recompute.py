@@ -125,8 +125,15 @@ def checkpointed(recompute_experts: bool):
     return wrap
 
 
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute-experts", "keep-experts"])
-@pytest.mark.parametrize("case", list(CASES))
+# Both policies on capacity-shared and dropless; the expert recompute (default) on every case.
+ONE_PROCESS = [(c, True) for c in CASES] + [("capacity-shared", False), ("dropless", False)]
+
+
+@pytest.mark.parametrize(
+    "case, recompute",
+    ONE_PROCESS,
+    ids=[f"{c}-{'recompute' if r else 'keep'}-experts" for c, r in ONE_PROCESS],
+)
 def test_checkpointed_block_gradients_equal_the_plain_ones_bitwise_on_one_process(case, recompute):
     config = cfg(*CASES[case])
     want, _, _, starts = step(config, plain)
