@@ -27,6 +27,7 @@ from .layer.parallel import (
     init_expert_parallel,
     is_expert_param,
 )
+from .layer.recompute import checkpoint_block, moe_checkpoint_context
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "SharedExpertConfig",
     "Topology",
     "average_expert_gradients",
+    "checkpoint_block",
     "clip_grad_norm_",
     "collectives",
     "compression",
@@ -51,6 +53,7 @@ __all__ = [
     "expert_parameters",
     "init_expert_parallel",
     "is_expert_param",
+    "moe_checkpoint_context",
     "scheduling",
     "trace",
 ]

@@ -33,6 +33,7 @@ from ..scheduling import POLICIES, Direction, Schedule, TaskGraph
 from ..scheduling.background import Background
 from .dispatcher import TokenDispatcher
 from .opaque import expert_parallel
+from .recompute import replaying
 from .region import Region
 from .shared import build_shared, region_schedule
 
@@ -254,12 +255,14 @@ class MoELayer(nn.Module):
             )
         if cfg.gate.z_loss_weight > 0:
             aux = aux + cfg.gate.z_loss_weight * router_z_loss(routing.logits_TE)
-        if self.expert_load is not None and self.training:
+        # A checkpointed block's recomputation (recompute.py) counts nothing a second time.
+        count = self.training and not replaying()
+        if self.expert_load is not None and count:
             with torch.no_grad():
                 self.expert_load += torch.bincount(
                     routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
                 )
-        if self.record_routing and self.training:
+        if self.record_routing and count:
             self._routing_counts = tally(self._routing_counts, routing)
         return x_TM, routing, aux
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..routing.router import capacity
+from .recompute import selective
 from .region import run_region
 
 __all__ = ["expert_parallel"]
@@ -46,13 +47,18 @@ def expert_parallel(
     capacity mode, where they follow from T), plan the chunks, run the scheduled region.
 
     Returns (combined rows [N, M], shared experts' output [T, M] or None). Collective unless the
-    splits follow from the config."""
+    splits follow from the config; in a checkpointed block's recomputation (recompute.py) the
+    first forward's outputs, nothing run."""
+    return selective(layer, rows_NM, lambda wrap: _run(layer, rows_NM, x_TM, counts_E, wrap))
+
+
+def _run(layer, rows_NM: torch.Tensor, x_TM: torch.Tensor, counts_E: torch.Tensor | None, wrap):
     cfg = layer.running
     dispatcher = layer.dispatcher
     E = cfg.gate.num_experts
     counts = None if counts_E is not None else (capacity(cfg.gate, x_TM.shape[0]),) * E
     exchange = dispatcher.start_counts(counts, counts_E, cfg.gate.dropless)
     _, _, plan = dispatcher.plan_chunks(exchange, rows_NM.device)
-    region = layer.region_of(plan)
+    region = wrap(layer.region_of(plan))
     out = run_region(region, rows_NM, None if layer.shared is None else x_TM)
     return (out, None) if layer.shared is None else out

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--layers", type=int, help="transformer blocks")
     a("--heads", type=int, help="attention heads")
     a("--moe-every", type=int, help="an MoE FFN in every n-th block")
+    a("--activation-checkpointing", action="store_true",
+      help="recompute each block's activations in backward (schemoe.checkpoint_block: the MoE "
+      "layers' all-to-alls are kept, not repeated): less memory, more compute")  # fmt: skip
     a("--ep-size", type=int, help="expert-parallel group size (default: all ranks)")
     a("--device", choices=DEVICES,
       help="cuda: NCCL, model on cuda:LOCAL_RANK; cpu: gloo (default: cuda when available)")  # fmt: skip

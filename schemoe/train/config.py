@@ -176,6 +176,7 @@ class TrainConfig:
     policy: str = "schemoe"
     chunks: int = 2
     micro_chunks: int | str = 1
+    activation_checkpointing: bool = False
     budget: str = "lossless"
     trials: int = 5
     shortlist: int = 4
@@ -279,6 +280,8 @@ class TrainConfig:
             raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
         if (m == "auto" or m > 1) and self.shared_experts:  # the stack has no S task yet
             raise ValueError(f"--micro-chunks {m} cannot run --shared-experts yet; use 1")
+        if (m == "auto" or m > 1) and self.activation_checkpointing:  # the stack runs its own
+            raise ValueError(f"--micro-chunks {m} cannot run --activation-checkpointing yet; use 1")
         for n, lo, hi, strict in FLOAT_RANGE:
             v = getattr(self, n)
             if not (math.isfinite(v) and (v > lo if strict else v >= lo) and v <= hi):

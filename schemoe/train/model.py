@@ -12,7 +12,8 @@ With `micro_chunks` m > 1 the blocks run as a scheduled stack (schemoe/stack.py)
 is a stage (pre: the dense blocks before it, its norm, attention and residual, its MoE norm;
 post: the residual, and in the last stage any dense blocks after it), the batch cut into m
 micro-chunks under `stack_policy`. m = 1, or a batch m does not divide (an eval remainder), runs
-the plain per-block loop.
+the plain per-block loop. With `checkpoint` that loop runs every block under
+`schemoe.checkpoint_block` (activation checkpointing that keeps the MoE all-to-alls).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..dist.devices import control_zeros
 from ..layer.moe import MoELayer
+from ..layer.recompute import checkpoint_block
 from ..scheduling import STACK_POLICIES
 from ..step.stack import Stage, run_stack
 
@@ -45,6 +47,7 @@ class GPTConfig:
     moe_every: int = 2
     micro_chunks: int = 1
     stack_policy: str = "wavefront"
+    checkpoint: bool = False  # every block under checkpoint_block (activation checkpointing)
 
     def __post_init__(self) -> None:
         for n in ("vocab", "seq_len", "layers", "heads", "moe_every", "micro_chunks"):
@@ -52,6 +55,8 @@ class GPTConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
         STACK_POLICIES.get(self.stack_policy)  # ValueError listing the known ones
+        if self.checkpoint and self.micro_chunks > 1:
+            raise ValueError("checkpoint=True cannot run micro_chunks > 1 (the stack) yet")
 
 
 class _Attention(nn.Module):
@@ -165,7 +170,8 @@ class GPT(nn.Module):
             x, a = run_stack(self._stages, x, self.cfg.micro_chunks, self.cfg.stack_policy)
             return self.ln_f(x) @ self.embed.weight.t(), aux + a
         for blk in self.blocks:
-            x, a = blk(x)
+            ckpt = self.cfg.checkpoint and torch.is_grad_enabled()
+            x, a = checkpoint_block(blk, x) if ckpt else blk(x)
             aux = aux + a
         return self.ln_f(x) @ self.embed.weight.t(), aux
 

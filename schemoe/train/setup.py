@@ -121,7 +121,8 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     data = load_corpus(cfg.corpus, cfg.corpus_bytes)
     split = int(data.numel() * (1 - HELD_OUT))
     gpt = GPTConfig(seq_len=cfg.seq_len, layers=cfg.layers, heads=cfg.heads,
-                    moe_every=cfg.moe_every, micro_chunks=cfg.micro_chunks)  # fmt: skip
+                    moe_every=cfg.moe_every, micro_chunks=cfg.micro_chunks,
+                    checkpoint=cfg.activation_checkpointing)  # fmt: skip
     core = GPT(gpt, cfg.moe_config(world), group=ep.ep_group, seed=cfg.seed).to(dev)
     torch.manual_seed(cfg.seed * 7919 + 104729 + rank)  # per-rank stream: router noise
     model = core
