@@ -255,8 +255,7 @@ class MoELayer(nn.Module):
             )
         if cfg.gate.z_loss_weight > 0:
             aux = aux + cfg.gate.z_loss_weight * router_z_loss(routing.logits_TE)
-        # A checkpointed block's recomputation (recompute.py) counts nothing a second time.
-        count = self.training and not replaying()
+        count = self.training and not replaying()  # a recomputation (recompute.py) counts once
         if self.expert_load is not None and count:
             with torch.no_grad():
                 self.expert_load += torch.bincount(
