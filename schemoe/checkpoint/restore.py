@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .shards import expert_keys, optim_names
 
-__all__ = ["STACKED", "load_model", "load_optimizer", "lookup", "needed"]
+__all__ = ["STACKED", "like", "load_model", "load_optimizer", "lookup", "needed"]
 
 STACKED = re.compile(r"^(.*)\[(\d+)\]$")
 
@@ -35,6 +36,15 @@ def needed(model: nn.Module, with_optimizer: bool, keys: Iterable[str]) -> list[
         if rest in names:
             out.append(key)
     return out
+
+
+def like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`full` (a whole tensor) laid out as `target`: as is for a plain tensor; for a DTensor
+    (an FSDP-sharded weight or its AdamW state), this rank's shard of it, cut locally from its
+    own copy (`src_data_rank=None`: no collective)."""
+    if not isinstance(target, DTensor) or full.shape != target.shape:
+        return full
+    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
 
 
 def lookup(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
@@ -69,6 +79,7 @@ def load_model(model: nn.Module, tensors: dict[str, torch.Tensor], src: Path) ->
                 f"{src}: {name} has shape {tuple(state[name].shape)}, the model "
                 f"expects {tuple(t.shape)}"
             )
+        state[name] = like(state[name], t)
     model.load_state_dict(state)
 
 
@@ -81,11 +92,12 @@ def load_optimizer(
             _, k, rest = key.split("/", 2)
             by_name[rest][k] = v
     experts = expert_keys(model)
+    params = dict(model.named_parameters())
     state: dict[int, dict[str, torch.Tensor]] = {}
     for idx, name in enumerate(optim_names(model, opt)):
         if name not in experts:
             if name in by_name:
-                state[idx] = {k: v.clone() for k, v in by_name[name].items()}
+                state[idx] = {k: like(v.clone(), params[name]) for k, v in by_name[name].items()}
             continue
         keys = experts[name]
         rows = [by_name.get(key, {}) for key, _ in keys]

@@ -7,6 +7,7 @@ import re
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..experts.ffn import ModuleExperts
 from ..layer.moe import MoELayer
@@ -45,8 +46,10 @@ def optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
 
 
 def finite(tensors: dict[str, torch.Tensor]) -> bool:
-    # a host sync per tensor, at save time only
-    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
+    """Whether every floating tensor is finite; a DTensor by its local shard (no collective: the
+    caller agrees over ranks). A host sync per tensor, at save time only."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors.values())
+    return all(bool(t.isfinite().all()) for t in local if t.is_floating_point())
 
 
 def rank_state(model: nn.Module, optimizer, rng, rank: int) -> dict[str, torch.Tensor]:
@@ -58,8 +61,9 @@ def rank_state(model: nn.Module, optimizer, rng, rank: int) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
 
     def put(key: str, t: torch.Tensor) -> None:
-        # a copy: DCP's torch.save of a view stores the whole storage; on a GPU, a D2H copy
-        out[key] = t.detach().to("cpu", copy=True)
+        # no copy: DCP copies each tensor to the CPU as it writes it, and clones a view (whose
+        # storage is larger than itself); a DTensor (FSDP) is written as this rank's shard
+        out[key] = t.detach()
 
     for name, t in model.state_dict().items():
         for key, i in experts.get(name, [(name, None)]):

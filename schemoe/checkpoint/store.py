@@ -168,8 +168,9 @@ def _publish(root: Path, tmp: Path, name: str, step: int, world: int, extra) -> 
     digests = collect_digests(tmp)
     want = {METADATA, *(data_file(r) for r in range(world))}
     assert want <= set(digests), f"{tmp}: no digest for {sorted(want - set(digests))}"
-    info = {"format": FORMAT, "step": step, "world_size": world, "finite": True}
-    info.update(extra or {})
+    # the caller's extras (e.g. a loaded checkpoint's meta) never override what this save is
+    info = {k: v for k, v in (extra or {}).items() if k not in ("files", "meta_sha256")}
+    info.update(format=FORMAT, step=step, world_size=world, finite=True)
     info["files"] = digests
     info["meta_sha256"] = meta_digest(info)
     _write(json.dumps(info, indent=1), tmp / "meta.json")
