@@ -17,11 +17,18 @@ does not depend on the rank count) with --log-file; the checks in between run on
 (c) round trip without training: the step-4 checkpoint loaded and saved on 2, 1, then 4 ranks,
     against the same checkpoint loaded and saved on 4 (both then lack RNG states): bitwise equal
     tensors, and 4 resumed steps from each give the same losses, bitwise.
+(d) bad inputs to `schemoe train --resume` (a checkpoint of another model: --layers 3; a torn
+    .distcp file; an edited meta.json) and to `checkpoint.load` (a 3-layer model): the one error
+    line each, and every file of the checkpoint folder unchanged (SHA-256 before and after).
+
+`--parts` runs some of them: (d) alone makes its checkpoint (8 steps on 4 ranks). Output:
+OUT/runs-PARTS.jsonl, one line per check and a last line {"summary": ...}.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -147,26 +154,92 @@ def round_trip(work: Path) -> dict:
     }
 
 
+def digests(root: Path) -> dict[str, str]:
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file()}  # fmt: skip
+
+
+def _damage(d: Path, how: str) -> list[str]:
+    """Damage checkpoint folder `d` as `how` says; the extra flags of the resume."""
+    step = checkpoint.resolve(d)
+    if how == "torn .distcp":
+        f = step / "__1_0.distcp"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    if how == "edited meta.json":
+        meta = json.loads((step / "meta.json").read_text())
+        meta["step"] = 3
+        (step / "meta.json").write_text(json.dumps(meta))
+    return ["--layers", "3"] if how == "another model" else []
+
+
+def bad_inputs(work: Path) -> list[dict]:
+    good = work / "a"
+    if not good.exists():
+        train(4, work / "a.jsonl", "--steps", "8", "--save", str(good))
+    out = []
+    for how in ("another model", "torn .distcp", "edited meta.json"):
+        d = work / f"bad-{how.replace(' ', '-')}"
+        shutil.copytree(good, d)
+        extra = _damage(d, how)
+        before = digests(d)
+        cmd = [sys.executable, "-m", "schemoe", "train", *TINY, "--nproc", "2", "--steps", "12"]
+        cmd += ["--resume", str(d), *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        lines = r.stderr.strip().splitlines()
+        out.append({
+            "check": f"d: schemoe train --resume, {how}", "returncode": r.returncode,
+            "stderr_lines": len(lines), "error": lines[-1].replace(str(work), "WORK"),
+            "files_unchanged": digests(d) == before, "traceback": "Traceback" in r.stderr,
+        })  # fmt: skip
+    before = digests(good)
+    try:
+        run = setup(0, 1, TrainConfig.from_args(T.parse_args([*TINY, "--layers", "3"])))
+        checkpoint.load(good, run.core, run.opt)
+        error = "no error"
+    except ValueError as e:
+        error = f"ValueError: {e}".replace(str(work), "WORK")
+    out.append({"check": "d: checkpoint.load into a 3-layer model", "error": error,
+                "files_unchanged": digests(good) == before})  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for runs.jsonl, summary.txt")
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON lines")
+    p.add_argument("--parts", default="abcd", help="which checks: any of a, b, c (needs b), d")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows = [exact_resume(work), *hops(work), round_trip(work)]
-    (a.out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    hop_rows = [r for r in rows if "eval_rel_diff" in r]
-    summary = {
-        "a_resume_bitwise": rows[0]["losses_bitwise_equal"] and rows[0]["differing_elements_step8"] == 0,
-        "b_hops_tensors_bitwise": all(r["differing_elements_after_load_and_save"] == 0 for r in hop_rows),
-        "b_max_eval_rel_diff": max(r["eval_rel_diff"] for r in hop_rows),
-        "c_round_trip_bitwise": rows[-1]["differing_elements_vs_start"] == 0
-        and rows[-1]["losses_bitwise_equal"],
-    }  # fmt: skip
-    text = "\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps(summary) + "\n"
-    (a.out / "summary.txt").write_text(text)
-    print(json.dumps(summary))
+        rows += [exact_resume(work)] if "a" in a.parts else []
+        rows += hops(work) if "b" in a.parts else []
+        rows += [round_trip(work)] if "c" in a.parts and "b" in a.parts else []
+        rows += bad_inputs(work) if "d" in a.parts else []
+    rows.append({"summary": summarise(rows)})
+    (a.out / f"runs-{a.parts}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(json.dumps(rows[-1]["summary"]))
+
+
+def summarise(rows: list[dict]) -> dict:
+    """One verdict per part (a, b, c, d), and the largest eval difference after a hop."""
+    out: dict = {}
+    for r in rows:
+        part = r["check"][0]
+        if part == "a":
+            out["a_resume_bitwise"] = (
+                r["losses_bitwise_equal"] and not r["differing_elements_step8"]
+            )
+        elif part == "b" and "eval_rel_diff" in r:
+            out["b_max_eval_rel_diff"] = max(out.get("b_max_eval_rel_diff", 0), r["eval_rel_diff"])
+            moved = r["differing_elements_after_load_and_save"] == 0
+            out["b_hops_tensors_bitwise"] = out.get("b_hops_tensors_bitwise", True) and moved
+        elif part == "c":
+            same = r["differing_elements_vs_start"] == 0 and r["losses_bitwise_equal"]
+            out["c_round_trip_bitwise"] = same
+        elif part == "d":
+            out["d_files_unchanged"] = out.get("d_files_unchanged", True) and r["files_unchanged"]
+    return out
 
 
 if __name__ == "__main__":
