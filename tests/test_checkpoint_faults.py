@@ -217,6 +217,7 @@ def test_a_checkpoint_without_digests_is_refused_unless_the_flag_allows_it(
     assert checkpoint.load(d, core, allow_unverified=True).step == 2
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp on one process
 def test_an_unverified_checkpoint_whose_weights_make_the_final_eval_non_finite_fails(
     saved, tmp_path
 ):
