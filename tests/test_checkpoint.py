@@ -1,25 +1,29 @@
-"""Checkpoints: written on 4 ranks they load on 2 and on 1 (experts and their optimizer state
-resharded), export to one file, load nothing but tensors, and survive an interrupted write."""
+"""Checkpoints (DCP): written on 4 ranks they load on 2 and on 1 (experts and their optimizer
+state resharded), export to one file, load nothing but tensors, survive an interrupted write, and
+checkpoints of the format before DCP still load."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import pickle
 import signal
-import struct
 import time
-import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 import train_cases
 from schemoe.checkpoint import files as checkpoint_files
 from schemoe.checkpoint import store as checkpoint
-from schemoe.checkpoint.meta import meta_digest
+from schemoe.checkpoint.meta import meta_digest, read_meta
+from schemoe.checkpoint.shards import rank_state
 from schemoe.dist.launch import spawn
 from schemoe.train import loop as T
 from schemoe.train.model import GPT, GPTConfig, eval_windows, evaluate, load_corpus
@@ -41,10 +45,34 @@ def build(a):
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in [folder / "dense.pt", *sorted(folder.glob("experts-*.pt"))]:
-        out.update(torch.load(f, weights_only=True))
-    return out
+    return checkpoint._tensors(folder, read_meta(folder))
+
+
+@contextmanager
+def _stream(path: str, fail: str, then=None):
+    """A file opened by DCP; for one whose name contains `fail`, half a record is written,
+    `then` runs (default: the disk is full) and the write fails."""
+    if fail not in str(path):
+        with _real_stream(FileSystem(), path, "wb") as f:
+            yield f
+        return
+    Path(path).write_bytes(b"PK\x03\x04 half a record")
+    (then or _full_disk)()
+    yield None
+
+
+def _full_disk():
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+_real_stream = FileSystem.create_stream
+
+
+def _failing_in(fail: str, then=None):
+    def create_stream(self, path, mode):
+        return _stream(path, fail, then) if "w" in mode else _real_stream(self, path, mode)
+
+    return create_stream
 
 
 def _write_on_four(rank: int, world: int, d: str) -> dict:
@@ -112,23 +140,15 @@ def test_a_write_that_raises_midway_leaves_the_previous_checkpoint_intact(tmp_pa
     checkpoint.save(tmp_path, core, opt, step=1)
     saved = {k: v.clone() for k, v in core.state_dict().items()}
     _one_step(core, opt)
-    real = checkpoint._write
-
-    def half_then_fail(tensors, path):
-        if path.name.startswith("experts"):
-            path.write_bytes(b"PK\x03\x04 half a zip")
-            raise OSError(28, "No space left on device")
-        real(tensors, path)
-
-    monkeypatch.setattr(checkpoint, "_write", half_then_fail)
-    with pytest.raises(OSError, match=r"rank 0: no space left on device writing \S+experts-00000"):
+    monkeypatch.setattr(FileSystem, "create_stream", _failing_in("step-00000002.tmp/__0_0"))
+    with pytest.raises(OSError, match=r"rank 0: no space left on device writing \S+/__0_0\.distcp"):
         checkpoint.save(tmp_path, core, opt, step=2)
     assert (tmp_path / "latest").read_text() == "step-00000001"
     assert not (tmp_path / "step-00000002.tmp").exists()  # the partial files are removed
     fresh, fopt = build(tiny())
     assert checkpoint.load(tmp_path, fresh, fopt).step == 1
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
-    monkeypatch.setattr(checkpoint, "_write", real)
+    monkeypatch.undo()
     checkpoint.save(tmp_path, core, opt, step=2)
     assert checkpoint.load(tmp_path, fresh, fopt).step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -141,18 +161,10 @@ def test_a_write_that_raises_midway_leaves_the_previous_checkpoint_intact(tmp_pa
 def _killed_writer(d: str, ready) -> None:
     core, opt = build(tiny())
     checkpoint.save(d, core, opt, step=1)
-    real = checkpoint._write
-
-    def stall(tensors, path):
-        if path.name == "dense.pt":
-            with open(path, "wb") as f:
-                f.write(b"PK\x03\x04 partial")
-                f.flush()
-            ready.set()
-            time.sleep(60)  # killed here, mid-file
-        real(tensors, path)
-
-    checkpoint._write = stall
+    # killed after half a record of its file, mid-write
+    FileSystem.create_stream = _failing_in(
+        "step-00000002.tmp/__0_0", lambda: ready.set() or time.sleep(60)
+    )
     checkpoint.save(d, core, opt, step=2)
 
 
@@ -164,7 +176,7 @@ def test_a_writer_killed_mid_file_leaves_the_previous_checkpoint_loadable(tmp_pa
     assert ready.wait(60), "the writer never reached the middle of its write"
     os.kill(p.pid, signal.SIGKILL)
     p.join(10)
-    assert (tmp_path / "step-00000002.tmp" / "dense.pt").exists()  # the half-written file
+    assert (tmp_path / "step-00000002.tmp" / "__0_0.distcp").exists()  # the half-written file
     fresh, _ = build(tiny())
     assert checkpoint.load(tmp_path, fresh).step == 1
     ref, _ = build(tiny())  # the writer saved a freshly built model
@@ -179,18 +191,27 @@ class _Exploit:
         return (open, (self.flag, "w"))
 
 
-def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp_path):
+def _fix_digest(folder: Path, name: str) -> None:
+    """A writer who can also fix digests: `name`'s SHA-256 and meta.json's own, rewritten."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"][name] = checkpoint_files.sha256(folder / name)
+    meta["meta_sha256"] = meta_digest(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_loading_refuses_a_checkpoint_that_carries_arbitrary_pickled_objects(tmp_path, name):
     core, opt = build(tiny())
     checkpoint.save(tmp_path, core, opt, step=1)
     folder = checkpoint.resolve(tmp_path)
     flag = tmp_path / "pwned"
-    torch.save({"model/embed.weight": _Exploit(str(flag))}, folder / "dense.pt")
-    meta = json.loads((folder / "meta.json").read_text())  # a writer who can also fix digests
-    meta["files"]["dense.pt"] = checkpoint_files.sha256(folder / "dense.pt")
-    meta["meta_sha256"] = meta_digest(meta)
-    (folder / "meta.json").write_text(json.dumps(meta))
+    with open(folder / name, "wb") as f:  # DCP's metadata is a plain pickle; records torch.save
+        (pickle.dump if name == ".metadata" else torch.save)(_Exploit(str(flag)), f)
+    _fix_digest(folder, name)
     with pytest.raises(ValueError, match="weights_only"):
         checkpoint.load(tmp_path, core)
+    with pytest.raises(ValueError, match="weights_only"):
+        checkpoint.export(tmp_path, tmp_path / "model.pt")
     assert not flag.exists()
 
 
@@ -203,40 +224,33 @@ def test_rotation_keeps_the_newest_checkpoints(tmp_path):
     assert json.loads((tmp_path / "step-00000004" / "meta.json").read_text())["finite"] is True
 
 
-def _flip_inside_tensor_data(path: Path, n: int) -> None:
-    """Flip `n` bytes in the middle of the largest stored record (a tensor's data)."""
-    with zipfile.ZipFile(path) as z:
-        info = max(z.infolist(), key=lambda i: i.file_size)
+def _flip_in_the_middle(path: Path, n: int) -> None:
     raw = bytearray(path.read_bytes())
-    name_len, extra_len = struct.unpack(
-        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
-    )
-    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2 - n // 2
-    for i in range(start, start + n):
+    for i in range(len(raw) // 2 - n // 2, len(raw) // 2 - n // 2 + n):
         raw[i] ^= 0xFF
     path.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("n", [16, 64])
-@pytest.mark.parametrize("name", ["dense.pt", "experts-00000.pt", "rng-00000.pt"])
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
 def test_a_checkpoint_file_with_flipped_bytes_in_its_tensor_data_is_refused_naming_it(
     tmp_path, name, n
 ):
     core, opt = build(tiny())
     checkpoint.save(tmp_path, core, opt, step=1, rng={"torch": torch.get_rng_state()})
-    _flip_inside_tensor_data(tmp_path / "step-00000001" / name, n)
+    _flip_in_the_middle(tmp_path / "step-00000001" / name, n)
     fresh, fopt = build(tiny())
-    with pytest.raises(ValueError, match=rf"step-00000001/{name} is corrupt: its SHA-256"):
+    with pytest.raises(ValueError, match=rf"step-00000001/\{name} is corrupt: its SHA-256"):
         checkpoint.load(tmp_path, fresh, fopt)
 
 
 def test_a_missing_expert_shard_is_named_as_missing_not_blamed_on_another_model(tmp_path):
     core, opt = build(tiny())
     checkpoint.save(tmp_path, core, opt, step=1)
-    (tmp_path / "step-00000001" / "experts-00000.pt").unlink()
-    with pytest.raises(ValueError, match=r"is missing experts-00000\.pt"):
+    (tmp_path / "step-00000001" / "__0_0.distcp").unlink()
+    with pytest.raises(ValueError, match=r"is missing __0_0\.distcp"):
         checkpoint.load(tmp_path, build(tiny())[0])
-    with pytest.raises(ValueError, match=r"is missing experts-00000\.pt"):
+    with pytest.raises(ValueError, match=r"is missing __0_0\.distcp"):
         checkpoint.export(tmp_path, tmp_path / "model.pt")
 
 
@@ -244,6 +258,49 @@ def test_meta_json_lists_a_sha256_for_every_file_of_the_checkpoint(tmp_path):
     core, opt = build(tiny())
     folder = checkpoint.save(tmp_path, core, opt, step=1, rng={"torch": torch.get_rng_state()})
     files = json.loads((folder / "meta.json").read_text())["files"]
-    assert sorted(files) == ["dense.pt", "experts-00000.pt", "rng-00000.pt"]
+    assert sorted(files) == [".metadata", "__0_0.distcp"]
     assert all(len(v) == 64 for v in files.values())
     assert sorted(p.name for p in folder.iterdir()) == sorted([*files, "meta.json"])
+
+
+def _write_legacy(root: Path, core, opt, step: int, rng: dict) -> None:
+    """One rank's checkpoint as the writer before DCP laid it out: dense.pt, experts-00000.pt,
+    rng-00000.pt (torch.save dicts under the same keys) and meta.json with their digests."""
+    state = rank_state(core, opt, rng, 0)
+    files: dict[str, dict[str, torch.Tensor]] = {"dense.pt": {}, "experts-00000.pt": {}}
+    for k, v in state.items():
+        if not k.startswith("rng/"):
+            files["experts-00000.pt" if ".experts." in k else "dense.pt"][k] = v
+    files["rng-00000.pt"] = {k.removeprefix("rng/0/"): v for k, v in state.items() if "rng/" in k}
+    folder = root / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    for name, tensors in files.items():
+        torch.save(tensors, folder / name)
+    meta = {"format": "schemoe-checkpoint/1", "step": step, "world_size": 1, "finite": True}
+    meta["files"] = {n: checkpoint_files.sha256(folder / n) for n in files}
+    meta["meta_sha256"] = meta_digest(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (root / "latest").write_text(folder.name)
+
+
+def test_a_checkpoint_in_the_format_before_dcp_still_loads_resumes_and_exports(tmp_path):
+    core, opt = build(tiny())
+    _one_step(core, opt)
+    rng = {"torch": torch.get_rng_state()}
+    _write_legacy(tmp_path / "old", core, opt, 1, rng)
+    assert checkpoint.verify(tmp_path / "old").name == "step-00000001"
+    fresh, fopt = build(tiny())
+    got = checkpoint.load(tmp_path / "old", fresh, fopt)
+    assert got.step == 1 and torch.equal(got.rng["torch"], rng["torch"])
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in core.state_dict().items())
+    # the AdamW state came back too: the next step is the same step
+    for m, o in ((core, opt), (fresh, fopt)):
+        m.zero_grad()
+        torch.manual_seed(0)  # the same routing noise
+        _one_step(m, o)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in core.state_dict().items())
+    state, _ = checkpoint.load_export(checkpoint.export(tmp_path / "old", tmp_path / "m.pt"))
+    assert state.keys() == core.state_dict().keys()
+    (tmp_path / "old" / "step-00000001" / "experts-00000.pt").unlink()
+    with pytest.raises(ValueError, match=r"is missing experts-00000\.pt"):
+        checkpoint.load(tmp_path / "old", fresh, fopt)

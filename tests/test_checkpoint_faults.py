@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from schemoe import cli
 from schemoe.checkpoint import store as checkpoint
@@ -107,14 +109,14 @@ def test_a_state_holding_nan_is_not_saved_and_latest_keeps_the_last_finite_one(t
 
 
 def _full_disk_at_step_2(monkeypatch):
-    real = checkpoint._write
+    real = FileSystem.create_stream
 
-    def write(obj, path):
-        if "step-00000002" in str(path) and path.name.startswith("experts"):
-            raise OSError(errno.ENOSPC, "No space left on device")  # as files.write raises it
-        real(obj, path)
+    def create_stream(self, path, mode):
+        if "step-00000002" in str(path) and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, "No space left on device")  # as open() raises it
+        return real(self, path, mode)
 
-    monkeypatch.setattr(checkpoint, "_write", write)
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
 
 
 def test_a_full_disk_at_save_time_names_enospc_and_the_file_and_keeps_the_previous_latest(
@@ -126,7 +128,7 @@ def test_a_full_disk_at_save_time_names_enospc_and_the_file_and_keeps_the_previo
         T.train(0, 1, tiny("--steps", "4", "--save", str(d), "--save-every", "1"))
     assert (
         f"checkpoint of step 2 not written: rank 0: no space left on device writing "
-        f"{d}/step-00000002.tmp/experts-00000.pt; removed the partial {d}/step-00000002.tmp; "
+        f"{d}/step-00000002.tmp/__0_0.distcp; removed the partial {d}/step-00000002.tmp; "
         f"{d}/latest still names step-00000001"
     ) == str(e.value)
     assert sorted(p.name for p in d.iterdir()) == ["latest", "step-00000000", "step-00000001"]
@@ -188,7 +190,7 @@ def test_a_torn_checkpoint_file_is_named_before_any_rank_starts(
     saved, tmp_path, capsys, monkeypatch
 ):
     d = _copy(saved, tmp_path)
-    torn = d / "step-00000002" / "experts-00000.pt"
+    torn = d / "step-00000002" / "__0_0.distcp"
     torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
     rc, err = _train_cli(capsys, monkeypatch, "--resume", str(d), "--steps", "4")
     assert rc == 2 and err.startswith(f"schemoe train: error: checkpoint file {torn} is corrupt")
@@ -215,15 +217,20 @@ def test_a_checkpoint_without_digests_is_refused_unless_the_flag_allows_it(
     assert checkpoint.load(d, core, allow_unverified=True).step == 2
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp on one process
 def test_an_unverified_checkpoint_whose_weights_make_the_final_eval_non_finite_fails(
     saved, tmp_path
 ):
     d = _copy(saved, tmp_path)
     _strip_digests(d)
-    dense = d / "step-00000002" / "dense.pt"
-    tensors = torch.load(dense, weights_only=True)
-    tensors["model/embed.weight"] = torch.full_like(tensors["model/embed.weight"], 3e38)  # finite
-    torch.save(tensors, dense)
+    folder = d / "step-00000002"
+    md = dcp.FileSystemReader(folder).read_metadata()
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+    }
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    state["model/embed.weight"].fill_(3e38)  # finite
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
     cfg = tiny("--steps", "3", "--resume", str(d), "--allow-unverified-checkpoint")
     broken = r"the final eval loss \(step 3\) is nan: the model is broken, so it is not saved"
     with pytest.raises(failures.NonFiniteError, match=broken):

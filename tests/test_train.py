@@ -9,11 +9,14 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from schemoe import clip_grad_norm_
+from schemoe.checkpoint import store as checkpoint
+from schemoe.checkpoint.meta import read_meta
 from schemoe.config import (
     CollectiveConfig,
     CompressionConfig,
@@ -259,11 +262,11 @@ def _four_rank_runs(rank: int, world: int, d: str) -> tuple[list[float], list[fl
     straight = T.train(rank, world, tiny("--steps", "8", "--save", f"{d}-straight"))
     T.train(rank, world, tiny("--steps", "8", "--stop-after", "4", "--save", d))
     resumed = T.train(rank, world, tiny("--steps", "8", "--resume", d, "--save", d))
-    names = [f"experts-{rank:05d}.pt", *(["dense.pt"] * (rank == 0))]
-    a, b = ({} for _ in range(2))
-    for name in names:
-        a.update(torch.load(f"{d}-straight/step-00000008/{name}", weights_only=True))
-        b.update(torch.load(f"{d}/step-00000008/{name}", weights_only=True))
+    a, b = (
+        checkpoint._tensors(Path(f), read_meta(Path(f)))  # every key of the DCP checkpoint
+        for f in (f"{d}-straight/step-00000008", f"{d}/step-00000008")
+    )
+    assert a.keys() == b.keys()
     differ = sum(int((a[k] != b[k]).sum()) for k in a)
     return straight["losses"], resumed["losses"], differ
 

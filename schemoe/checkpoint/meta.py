@@ -16,11 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .dcp_io import METADATA, read_metadata
 from .files import checked
+from .legacy import LEGACY_FORMAT, file_names
 
 __all__ = ["FORMAT", "UNVERIFIED_FLAG", "meta_digest", "read_meta", "resolve", "verify"]
 
-FORMAT = "schemoe-checkpoint/1"
+FORMAT = "schemoe-dcp/1"
 UNVERIFIED_FLAG = "--allow-unverified-checkpoint"
 
 
@@ -61,9 +63,9 @@ def read_meta(folder: Path, *, allow_unverified: bool = False) -> dict[str, Any]
             f"{path} is not valid JSON ({e}): the checkpoint's meta.json is truncated or "
             "damaged; use another checkpoint (a step-N folder)"
         ) from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY_FORMAT):
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r}")
+        raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r} (or {LEGACY_FORMAT!r})")
     want = meta.get("meta_sha256")
     if want is not None and meta_digest(meta) != want:
         raise ValueError(
@@ -85,11 +87,15 @@ def read_meta(folder: Path, *, allow_unverified: bool = False) -> dict[str, Any]
 def verify(path: str | os.PathLike, *, allow_unverified: bool = False) -> Path:
     """Check a whole checkpoint before loading it (no collective; a launcher runs it before any
     rank starts): meta.json (`read_meta`), and every file it lists present and matching its
-    SHA-256, every rank's expert file among them. Returns the folder. Reads every file once."""
+    SHA-256, DCP's .metadata and every data file it names among them. Returns the folder.
+    Reads every file once."""
     folder = resolve(path)
     meta = read_meta(folder, allow_unverified=allow_unverified)
-    world = int(meta.get("world_size", 1))
-    names = {"dense.pt", *(f"experts-{r:05d}.pt" for r in range(world)), *meta.get("files", {})}
+    if meta["format"] == LEGACY_FORMAT:
+        names = {*file_names(meta), *meta.get("files", {})}
+    else:
+        md = read_metadata(checked(folder, METADATA, meta).parent)
+        names = {*meta.get("files", {}), *(s.relative_path for s in md.storage_data.values())}
     for name in sorted(names):
         checked(folder, name, meta)
     return folder

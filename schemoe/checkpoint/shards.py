@@ -1,5 +1,5 @@
-"""Which tensors a rank holds in a checkpoint: experts keyed by global index, the rest (dense
-weights, their optimizer state) on rank 0; see store.py for the layout."""
+"""Which tensors a rank holds in a checkpoint: experts keyed by global index, the dense weights
+and their optimizer state under the same keys on every rank; see store.py for the layout."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import re
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..experts.ffn import ModuleExperts
 from ..layer.moe import MoELayer
 from ..layer.parallel import is_expert_param
 
-__all__ = ["bare", "expert_keys", "finite", "optim_names", "rank_files"]
+__all__ = ["bare", "expert_keys", "finite", "optim_names", "rank_state"]
 
 
 def bare(model: nn.Module) -> nn.Module:
@@ -45,42 +46,42 @@ def optim_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
 
 
 def finite(tensors: dict[str, torch.Tensor]) -> bool:
-    # a host sync per tensor, at save time only
-    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
+    """Whether every floating tensor is finite; a DTensor by its local shard (no collective: the
+    caller agrees over ranks). A host sync per tensor, at save time only."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors.values())
+    return all(bool(t.isfinite().all()) for t in local if t.is_floating_point())
 
 
-def rank_files(model: nn.Module, optimizer, rng, rank: int) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's files: name -> tensors (copies), dense.pt on rank 0 only."""
+def rank_state(model: nn.Module, optimizer, rng, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's flat state dict for DCP, every tensor a CPU copy: the dense tensors
+    (model/<name>, optim/<k>/<name>; the same keys on every rank, DCP writes each once), this
+    rank's experts under their global keys, and its RNG states (rng/<rank>/<name>)."""
     experts = expert_keys(model)
     state = optimizer.state if optimizer is not None else {}
-    params = dict(model.named_parameters())
-    dense: dict[str, torch.Tensor] = {}
-    mine: dict[str, torch.Tensor] = {}
-    # clone(): torch.save of a view would store the whole underlying tensor
+    out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, t: torch.Tensor) -> None:
+        # no copy: DCP copies each tensor to the CPU as it writes it, and clones a view (whose
+        # storage is larger than itself); a DTensor (FSDP) is written as this rank's shard
+        out[key] = t.detach()
+
     for name, t in model.state_dict().items():
-        if name in experts:
-            for key, i in experts[name]:
-                mine[f"model/{key}"] = (t if i is None else t[i]).detach().clone()
-        else:
-            dense[f"model/{name}"] = t.detach().clone()
-    for name, p in params.items():
+        for key, i in experts.get(name, [(name, None)]):
+            put(f"model/{key}", t if i is None else t[i])
+    for name, p in model.named_parameters():
         for k, v in state.get(p, {}).items():
             if not isinstance(v, torch.Tensor):
                 raise TypeError(
                     f"optimizer state {k!r} of {name} is a {type(v).__name__}; "
                     "only tensor states can be checkpointed"
                 )
-            if name not in experts:
-                dense[f"optim/{k}/{name}"] = v.detach().clone()
-                continue
-            if experts[name][0][1] is not None and v.shape != p.shape:
-                # stacked experts, a state that does not shard like the weight (AdamW's step)
-                mine[f"optim/{k}/{name}"] = v.detach().clone()
+            if name not in experts or (experts[name][0][1] is not None and v.shape != p.shape):
+                # dense, or a state of stacked experts that does not shard like the weight
+                # (AdamW's step): one tensor under the parameter's name
+                put(f"optim/{k}/{name}", v)
                 continue
             for key, i in experts[name]:
-                mine[f"optim/{k}/{key}"] = (v if i is None else v[i]).detach().clone()
-    files = {"dense.pt": dense} if rank == 0 else {}
-    files[f"experts-{rank:05d}.pt"] = mine
-    if rng is not None:
-        files[f"rng-{rank:05d}.pt"] = dict(rng)
-    return files
+                put(f"optim/{k}/{key}", v if i is None else v[i])
+    for k, v in (rng or {}).items():
+        put(f"rng/{rank}/{k}", v)
+    return out

@@ -4,22 +4,31 @@ Layout of `DIR` (one folder per saved step; `latest` names the newest complete o
 
     DIR/latest                 text: "step-00000040"
     DIR/step-00000040/
-      meta.json                step, world size, run arguments, loss history (written last)
-      dense.pt                 rank 0: every non-expert tensor, model/<name> and optim/<k>/<name>
-      experts-00003.pt         rank r: its experts, one tensor per global expert:
-                               model/<name>[e]    (stacked weights, e.g. ...experts.w1_EMH[5])
-                               model/<...experts.experts.e.rest>   (ModuleExperts: one-rank name)
-                               optim/<k>/<same key>                (AdamW exp_avg, exp_avg_sq, step)
-      rng-00003.pt             rank r: torch and data-generator RNG states
+      meta.json                format "schemoe-dcp/1", step, world size, run arguments, loss
+                               history, the SHA-256 of every other file (written last)
+      .metadata                DCP's index of every key: shape, dtype, file and offset
+      __3_0.distcp             rank 3's part, written by torch.distributed.checkpoint (DCP)
 
-Keys name global experts, so loading is the same for any P': each rank takes the rows of its own
-experts (`MoELayer.expert_slice()`) from whichever expert files hold them (memory-mapped), and its
-optimizer state likewise. RNG states are restored only when P' = P (a different P draws different
-batches anyway). Every file holds plain tensors and is read with `torch.load(weights_only=True)`:
-nothing in a checkpoint can run code. Writes are atomic: all ranks write into `step-N.tmp/`, rank 0
-adds meta.json, renames the folder and only then replaces `latest` (write + fsync + os.replace), so
-a run killed mid-write leaves the previous checkpoint as it was. Multi-node runs need `DIR` on a
-shared filesystem.
+The tensors are one flat DCP state dict per rank under these keys:
+
+    model/<name>               a dense tensor (every rank holds it; DCP writes it once)
+    model/<name>[e]            global expert e of stacked weights, e.g. ...experts.w1_EMH[5]
+    model/<...experts.experts.e.rest>   ModuleExperts: the one-rank name of expert e
+    optim/<k>/<same key>       AdamW exp_avg, exp_avg_sq, step of that tensor
+    rng/<rank>/<name>          that rank's torch and data-generator RNG states
+
+Dense tensors go in under the same keys from every rank rather than from rank 0 alone: DCP
+deduplicates replicated keys and spreads the writes over the ranks by size, and the same call
+then also covers experts replicated over data-parallel groups (ep x dp). Keys name global
+experts, so loading is the same for any P': each rank reads, with DCP and no collective, the
+dense keys and the rows of its own experts (`MoELayer.expert_slice()`), and its optimizer state
+likewise. RNG states are restored only when P' = P (a different P draws different batches
+anyway). Tensor records are read with `torch.load(weights_only=True)` and DCP's .metadata with an
+allow-listed unpickler (dcp_io.py): nothing in a checkpoint can run code. Writes are atomic: all
+ranks write into `step-N.tmp/`, rank 0 adds meta.json, renames the folder and only then replaces
+`latest` (write + fsync + os.replace), so a run killed mid-write leaves the previous checkpoint as
+it was. Multi-node runs need `DIR` on a shared filesystem. Checkpoints of the format before DCP
+("schemoe-checkpoint/1": dense.pt, experts-RRRRR.pt) still load (legacy.py).
 
 `export(src, out)` merges a checkpoint into one file of unsharded tensors (the state_dict of the
 one-rank model) for inference; `load` accepts that file too; `register` adds `schemoe export`.
@@ -29,9 +38,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +50,8 @@ from torch import nn
 
 from ..cliargs import guard
 from ..dist.failures import NonFiniteError
+from . import dcp_io, legacy
+from .dcp_io import METADATA, data_file
 from .files import agree as _agree
 from .files import checked, collect_digests, latest_line, rotate, settle, write_digests
 from .files import fsync_dir as _fsync_dir
@@ -48,27 +59,36 @@ from .files import rank_world as _rank_world
 from .files import read as _read
 from .files import write as _write
 from .meta import FORMAT, UNVERIFIED_FLAG, meta_digest, read_meta, resolve, verify
+from .restore import STACKED, load_model, load_optimizer, needed
 from .shards import bare as _bare
-from .shards import expert_keys as _expert_keys
 from .shards import finite as _finite
-from .shards import optim_names as _optim_names
-from .shards import rank_files as _rank_files
+from .shards import rank_state as _rank_state
 
 __all__ = ["Loaded", "export", "export_model", "load", "load_export", "register", "resolve", "save",
            "verify"]  # fmt: skip
 
 EXPORT_FORMAT = "schemoe-export/1"
-_STACKED = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def _read_keys(
+    folder: Path, meta: dict[str, Any], pick: Callable[[list[str]], list[str]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of the keys `pick` chooses from a checkpoint's keys, the files they lie in
+    checked against meta.json's digests first (.metadata before it is parsed). A legacy
+    checkpoint's files are all read (memory-mapped)."""
+    if meta["format"] == legacy.LEGACY_FORMAT:
+        tensors = legacy.tensors(folder, meta)
+        return {k: tensors[k] for k in pick(list(tensors))}
+    md = dcp_io.read_metadata(checked(folder, METADATA, meta).parent)
+    want = {k: md.state_dict_metadata[k] for k in pick(list(md.state_dict_metadata))}
+    for name in sorted({s.relative_path for i, s in md.storage_data.items() if i.fqn in want}):
+        checked(folder, name, meta)
+    return dcp_io.fetch(folder, want)
 
 
 def _tensors(folder: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every model/optimizer tensor of a checkpoint folder (memory-mapped), each file checked
-    against meta.json's digests first."""
-    names = ["dense.pt", *(f"experts-{r:05d}.pt" for r in range(int(meta["world_size"])))]
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        out.update(_read(checked(folder, name, meta)))
-    return out
+    """Every model/optimizer tensor of a checkpoint folder, digests checked first."""
+    return _read_keys(folder, meta, lambda keys: [k for k in keys if not k.startswith("rng/")])
 
 
 def save(
@@ -106,8 +126,8 @@ def save(
     root = Path(directory)
     name = f"step-{step:08d}"
     tmp = root / f"{name}.tmp"
-    files = _rank_files(model, optimizer, rng, rank)
-    if not _agree(all(_finite(t) for t in files.values())):  # HOST SYNC per tensor
+    state = _rank_state(model, optimizer, rng, rank)
+    if not _agree(_finite(state)):  # HOST SYNC per tensor
         raise NonFiniteError(
             f"checkpoint of step {step} not written: the model or optimizer state holds NaN/Inf "
             f"(the run diverged); {latest_line(root)}"
@@ -121,20 +141,17 @@ def save(
         except OSError as e:
             err = e
     settle(err, root, tmp, step)
-    path = tmp
-    try:
-        for fname, tensors in files.items():
-            path = tmp / fname
-            _write(tensors, path)
-        write_digests(tmp, list(files), rank)
-    except BaseException as e:  # noqa: BLE001 (every rank raises it in settle)
-        if isinstance(e, OSError) and not e.filename:
-            e.filename = str(path)  # the file being written when it failed
-        err = e
+    err = dcp_io.write(state, tmp)  # collective; this rank's failure, if any
+    if err is None:
+        try:
+            mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
+            write_digests(tmp, [*mine, *([METADATA] * (rank == 0))], rank)
+        except BaseException as e:  # noqa: BLE001 (every rank raises it in settle)
+            err = e
     settle(err, root, tmp, step)
     if rank == 0:
         try:
-            _publish(root, tmp, name, step, world, meta, rng is not None)
+            _publish(root, tmp, name, step, world, meta)
         except BaseException as e:  # noqa: BLE001 (every rank raises it in _settle)
             err = e
     settle(err, root, tmp, step)
@@ -144,18 +161,16 @@ def save(
     return root / (root / "latest").read_text().strip()
 
 
-def _publish(
-    root: Path, tmp: Path, name: str, step: int, world: int, extra, with_rng: bool
-) -> Path:
+def _publish(root: Path, tmp: Path, name: str, step: int, world: int, extra) -> Path:
     """Rank 0, once every rank wrote its files: meta.json (digests of every file and of
     itself), the folder renamed into place, then `latest` (removing the folder if `latest`
     cannot be written, so no complete folder is left that `latest` does not name)."""
     digests = collect_digests(tmp)
-    want = {"dense.pt", *(f"experts-{r:05d}.pt" for r in range(world))}
-    want |= {f"rng-{r:05d}.pt" for r in range(world)} if with_rng else set()
+    want = {METADATA, *(data_file(r) for r in range(world))}
     assert want <= set(digests), f"{tmp}: no digest for {sorted(want - set(digests))}"
-    info = {"format": FORMAT, "step": step, "world_size": world, "finite": True}
-    info.update(extra or {})
+    # the caller's extras (e.g. a loaded checkpoint's meta) never override what this save is
+    info = {k: v for k, v in (extra or {}).items() if k not in ("files", "meta_sha256")}
+    info.update(format=FORMAT, step=step, world_size=world, finite=True)
     info["files"] = digests
     info["meta_sha256"] = meta_digest(info)
     _write(json.dumps(info, indent=1), tmp / "meta.json")
@@ -203,80 +218,30 @@ def load(
     else:
         folder = resolve(path)
         meta = read_meta(folder, allow_unverified=allow_unverified)
-        tensors, step = _tensors(folder, meta), meta["step"]
+        mine = f"rng/{rank}/" if meta["world_size"] == world else None
+        tensors = _read_keys(
+            folder,
+            meta,
+            lambda keys: [
+                *needed(model, optimizer is not None, keys),
+                *(k for k in keys if mine and k.startswith(mine)),
+            ],
+        )
+        step = meta["step"]
         if "files" not in meta and not _finite(tensors):
             raise ValueError(
                 f"{folder} (unverified: no digests, loaded with {UNVERIFIED_FLAG}) holds NaN/Inf "
                 "tensors: its files are corrupt; use another checkpoint"
             )
-        same = meta["world_size"] == world and (folder / f"rng-{rank:05d}.pt").exists()
-        rng = _read(checked(folder, f"rng-{rank:05d}.pt", meta)) if same else None
-    _load_model(model, tensors, path)
-    if optimizer is not None:
-        _load_optimizer(model, optimizer, tensors)
-    return Loaded(step, meta, rng)
-
-
-def _lookup(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    """An expert row from a checkpoint (model/name[e]) or from an export (model/name, E rows)."""
-    if key in tensors:
-        return tensors[key]
-    m = _STACKED.match(key)
-    if m and m[1] in tensors:
-        full = tensors[m[1]]
-        if int(m[2]) < full.shape[0]:
-            return full[int(m[2])]
-    raise KeyError(key)
-
-
-def _load_model(model: nn.Module, tensors: dict[str, torch.Tensor], src: Path) -> None:
-    experts = _expert_keys(model)
-    state = {}
-    for name, t in model.state_dict().items():
-        try:
-            if name in experts:
-                rows = [_lookup(tensors, f"model/{key}") for key, _ in experts[name]]
-                state[name] = rows[0] if experts[name][0][1] is None else torch.stack(rows)
-            else:
-                state[name] = tensors[f"model/{name}"]
-        except KeyError as e:
-            raise ValueError(
-                f"{src} has no {e.args[0]!r} for {name}: written for another model "
-                "(layers, experts or expert type differ)?"
-            ) from None
-        if state[name].shape != t.shape:
-            raise ValueError(
-                f"{src}: {name} has shape {tuple(state[name].shape)}, the model "
-                f"expects {tuple(t.shape)}"
-            )
-    model.load_state_dict(state)
-
-
-def _load_optimizer(
-    model: nn.Module, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
-) -> None:
-    by_name: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for key, v in tensors.items():
-        if key.startswith("optim/"):
-            _, k, rest = key.split("/", 2)
-            by_name[rest][k] = v
-    experts = _expert_keys(model)
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for idx, name in enumerate(_optim_names(model, opt)):
-        if name not in experts:
-            if name in by_name:
-                state[idx] = {k: v.clone() for k, v in by_name[name].items()}
-            continue
-        keys = experts[name]
-        rows = [by_name.get(key, {}) for key, _ in keys]
-        entry = {k: v.clone() for k, v in by_name.get(name, {}).items()}  # e.g. step
-        if keys[0][1] is None:
-            entry.update({k: v.clone() for k, v in rows[0].items()})
+        if meta["format"] == legacy.LEGACY_FORMAT:
+            rng = legacy.rng(folder, meta, rank) if mine else None
         else:
-            entry.update({k: torch.stack([row[k] for row in rows]) for k in rows[0]})
-        if entry:
-            state[idx] = entry
-    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+            keys = [k for k in tensors if mine and k.startswith(mine)]
+            rng = {k.removeprefix(mine): tensors.pop(k) for k in keys} or None
+    load_model(model, tensors, path)
+    if optimizer is not None:
+        load_optimizer(model, optimizer, tensors)
+    return Loaded(step, meta, rng)
 
 
 def export(
@@ -297,7 +262,7 @@ def export(
         if not key.startswith("model/"):
             continue
         key = key[len("model/") :]
-        m = _STACKED.match(key)
+        m = STACKED.match(key)
         if m:
             stacked[m[1]][int(m[2])] = v
         else:

@@ -86,9 +86,8 @@ CHOICES = {"device": DEVICES, "dtype": DTYPES, "grad_sync": SYNCS,
            "grad_compressor": tuple(sorted(COMPRESS)), "grad_algorithm": tuple(GRAD_SYNCS.names())}  # fmt: skip
 # What --fsdp needs of other settings (what it cannot do yet): FSDP reduces the dense gradients
 # itself (no DDP bucket, hook or scheduled sync), the micro-chunk stack calls blocks' parts
-# outside their FSDP hooks, and checkpoints do not write DTensors yet.
-FSDP_NEEDS = {"grad_sync": "ddp", "grad_compressor": "none", "bucket_mb": None, "micro_chunks": 1,
-              "save": None, "resume": None, "export": None}  # fmt: skip
+# outside their FSDP hooks. (Checkpoints write the DTensors through DCP.)
+FSDP_NEEDS = {"grad_sync": "ddp", "grad_compressor": "none", "bucket_mb": None, "micro_chunks": 1}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
 
