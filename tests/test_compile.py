@@ -145,3 +145,14 @@ def test_an_inductor_compiled_model_matches_eager_within_fp32_tolerance():
     if reason is not None:
         pytest.skip(reason)
     _compare(1.25, False, "inductor", exact=False)
+
+
+def test_fullgraph_compile_is_refused_naming_the_eager_region_and_its_module():
+    # fullgraph=True asks for no break at all; the region is the one break a layer keeps, and the
+    # error must say so (the reason opaque.py gives torch.compiler.disable), not a trace error.
+    torch.manual_seed(0)
+    model = torch.compile(MoELayer(_config(1.25)), backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"schemoe/layer/opaque\.py") as e:
+        model(torch.randn(4, 8, M))
+    assert "runs eagerly" in str(e.value)
