@@ -282,13 +282,13 @@ def checkpoint_probes() -> list[Probe]:
 
     export = ["export", "{d}/ck", "{d}/out.pt"]
     return [
-        _ck("torn dense.pt", _truncate("dense.pt"), ("dense.pt",)),
-        _ck("flipped bytes in experts-00000.pt", _flip("experts-00000.pt"), ("experts-00000.pt",)),
-        _ck("torn rng-00001.pt", _truncate("rng-00001.pt"), ("rng-00001.pt",)),
+        _ck("torn .metadata", _truncate(".metadata"), (".metadata",)),
+        _ck("flipped bytes in __0_0.distcp", _flip("__0_0.distcp"), ("__0_0.distcp",)),
+        _ck("torn __1_0.distcp", _truncate("__1_0.distcp"), ("__1_0.distcp",)),
         _ck("truncated meta.json", _truncate("meta.json"), ("meta.json",)),
         _ck("edited step in meta.json", _meta(step_edited), ("meta.json",)),
         _ck("without digests", _meta(no_digests), (("digest", "sha-256", "sha256"),)),
-        _ck("missing shard", rm("experts-00001.pt"), ("experts-00001.pt",)),
+        _ck("missing shard", rm("__1_0.distcp"), ("__1_0.distcp",)),
         Probe(
             "checkpoint latest names nothing",
             "checkpoint",
@@ -298,7 +298,12 @@ def checkpoint_probes() -> list[Probe]:
             needs=("ckpt",),
             timeout=150,
         ),
-        _ck("export of a torn dense.pt", _truncate("dense.pt"), ("dense.pt",), argv=export),
+        _ck(
+            "export of a torn __0_0.distcp",
+            _truncate("__0_0.distcp"),
+            ("__0_0.distcp",),
+            argv=export,
+        ),
         Probe(
             "checkpoint resumes", "checkpoint", "ok", argv=_resume(), needs=("ckpt",), timeout=150
         ),
