@@ -21,6 +21,7 @@ from schemoe import cli
 from schemoe.checkpoint import store as checkpoint
 from schemoe.dist import failures
 from schemoe.layer.moe import MoELayer
+from schemoe.train import command
 from schemoe.train import loop as T
 from schemoe.train import step as S
 from schemoe.train.setup import setup
@@ -156,7 +157,7 @@ def _meta(d: Path) -> tuple[Path, dict]:
 def _train_cli(capsys, monkeypatch, *args: str) -> tuple[int, str]:
     """`schemoe train` in this process with spawning forbidden: what is refused is refused
     before any rank starts."""
-    monkeypatch.setattr(T, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(command, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
     capsys.readouterr()
     rc = cli.main(["train", "--nproc", "2", *args])
     return rc, capsys.readouterr().err.strip()
