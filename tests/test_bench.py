@@ -13,6 +13,7 @@ from schemoe import cli
 from schemoe.bench import cli as bench_cli
 from schemoe.bench import output
 from schemoe.bench.a2a import parse_size
+from schemoe.testbed.netns import Testbed
 from schemoe.dist import timing
 
 
@@ -209,3 +210,14 @@ def test_bench_with_the_deepspeed_peer_prints_only_its_report_on_stdout():
     assert lines[0].startswith("# schemoe bench layer"), lines[:3]  # nothing before the header
     assert not any("DeepSpeed" in ln or "process group" in ln for ln in lines[:-1]), lines
     assert json.loads(lines[-1])["results"][-1]["policy"] == "deepspeed"
+
+
+def test_a_testbed_runs_profile_key_names_its_link_rates_in_the_launcher_too():
+    # The launcher checks --predict's profile before any rank starts, where no rendezvous
+    # address says the run is on the testbed: the key must come from the testbed itself.
+    bed = Testbed(nodes=2, rate_bps=4e8, latency_s=0.0, addresses=("10.77.0.1", "10.77.0.2"))
+    assert bench_cli.BenchEnv(2, bed).profile_key(4) == "2x2@inter=4e+08,intra=unshaped"
+    ranked = Testbed(nodes=2, rate_bps=4e8, latency_s=0.0, addresses=("a", "b", "c", "d"),
+                     intra_rate_bps=2.5e7, ranks_per_node=2, intra_link="separate")  # fmt: skip
+    assert bench_cli.BenchEnv(2, ranked).profile_key(4) == "2x2@inter=4e+08,intra=2.5e+07/separate"
+    assert bench_cli.BenchEnv(2, None).profile_key(4) == "2x2@inter=unshaped,intra=unshaped"

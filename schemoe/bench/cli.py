@@ -45,8 +45,14 @@ class BenchEnv:
 
     @property
     def links(self) -> Links:
-        """The run's links: the testbed's rates on it, else unshaped."""
-        return Links.of_run() if self.testbed else Links()
+        """The run's links: the testbed's rates on it, else unshaped. Read from the testbed
+        itself, not from this process's rendezvous (`Links.of_run`): the launcher, which checks
+        --predict's profile before any rank starts, has none."""
+        bed = self.testbed
+        if bed is None:
+            return Links()
+        intra = bed.intra_rate_bps or None
+        return Links(bed.rate_bps, intra, bed.intra_link if intra else "shared")
 
     def profile_key(self, world: int) -> str:
         """The profile key of this run (`costmodel.profiles.cache_key`)."""
