@@ -13,8 +13,8 @@ from schemoe import cli
 from schemoe.bench import cli as bench_cli
 from schemoe.bench import output
 from schemoe.bench.a2a import parse_size
-from schemoe.testbed.netns import Testbed
 from schemoe.dist import timing
+from schemoe.testbed.netns import Testbed
 
 
 def test_candidates_run_interleaved_round_by_round_warmup_first():
