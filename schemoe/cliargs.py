@@ -27,6 +27,7 @@ __all__ = [
     "Check",
     "HelpFormatter",
     "Parser",
+    "add_layer_shape",
     "flag_problem",
     "for_flag",
     "guard",
@@ -54,6 +55,34 @@ def names(text: str) -> list[str]:
 def int_list(text: str) -> list[int]:
     """A comma list of ints ("1,2" -> [1, 2]); argparse reports "invalid int_list value"."""
     return [int(v) for v in names(text)]
+
+
+def add_layer_shape(
+    add: Callable[..., object],
+    *,
+    tokens: int | None,
+    model_dim: int | None,
+    hidden_dim: int | None,
+    capacity_factor: float,
+    shared_help: str,
+    tokens_help: str = "tokens per rank",
+    hidden_dest: str = "hidden_dim",
+) -> None:
+    """The flags of one MoE layer's shape, for the commands that take one (`bench layer`,
+    `profile simulate`): one spelling and one meaning each. `add` is a parser's (or argument
+    group's) add_argument; a default of None means the command requires the flag."""
+
+    def needed(text: str, default: object) -> str:
+        return f"{text} (required)" if default is None else text
+
+    add("--tokens", type=int, default=tokens, help=tokens_help)
+    add("--model-dim", type=int, default=model_dim, help=needed("model dim M", model_dim))
+    add("--hidden-dim", dest=hidden_dest, type=int, default=hidden_dim,
+        help=needed("expert hidden dim H", hidden_dim))  # fmt: skip
+    add("--experts", type=int, default=None, help="E (default: 2 per rank)")
+    add("--top-k", type=int, default=2, help="experts per token k")
+    add("--capacity-factor", type=float, default=capacity_factor, help="f; 0 = dropless")
+    add("--shared-hidden", type=int, default=0, metavar="HS", help=shared_help)
 
 
 @dataclass(frozen=True)

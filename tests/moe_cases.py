@@ -14,16 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from schemoe import (
-    CollectiveConfig,
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    MoELayer,
-    ParallelConfig,
-    ScheduleConfig,
-)
+from schemoe import MoELayer
+from schemoe import config as c
 from schemoe.costmodel.hardware import preset
 from schemoe.layer.reference import reference_moe
 from schemoe.tuning.auto import TUNED, AutoTuner
@@ -44,19 +36,19 @@ def layer_config(
     rpn: int | None = None,
     uniform: bool = False,
     compression: str = "none",
-    schedule: ScheduleConfig | None = None,
+    schedule: c.ScheduleConfig | None = None,
     **gate,
-) -> MoEConfig:
+) -> c.MoEConfig:
     """The multi-rank tests' layer: top-2 of `experts`, (model, hidden) = `dims`, `rpn` ranks per
     node, `policy` over `chunks` (or the given `schedule`), `compression` both ways; `gate` adds
-    GateConfig fields (aux_loss_weight=...)."""
-    return MoEConfig(
-        gate=GateConfig(num_experts=experts, top_k=2, capacity_factor=capacity_factor, **gate),
-        experts=ExpertConfig(model_dim=dims[0], hidden_dim=dims[1]),
-        parallel=ParallelConfig(ranks_per_node=rpn, uniform_tokens=uniform),
-        schedule=schedule or ScheduleConfig(policy=policy, chunks=chunks),
-        collective=CollectiveConfig(algorithm=algorithm),
-        compression=CompressionConfig(forward=compression, backward=compression),
+    c.GateConfig fields (aux_loss_weight=...)."""
+    return c.MoEConfig(
+        gate=c.GateConfig(num_experts=experts, top_k=2, capacity_factor=capacity_factor, **gate),
+        experts=c.ExpertConfig(model_dim=dims[0], hidden_dim=dims[1]),
+        parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=uniform),
+        schedule=schedule or c.ScheduleConfig(policy=policy, chunks=chunks),
+        collective=c.CollectiveConfig(algorithm=algorithm),
+        compression=c.CompressionConfig(forward=compression, backward=compression),
     )
 
 
@@ -106,7 +98,7 @@ def run_layer(layer: MoELayer, x: torch.Tensor, gy: torch.Tensor):
     return y.detach(), aux.detach(), x.grad.clone(), grads
 
 
-def run_reference(weights, cfg: MoEConfig, xs, gys, bias=None):
+def run_reference(weights, cfg: c.MoEConfig, xs, gys, bias=None):
     w = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     xs = [x.clone().requires_grad_(True) for x in xs]
     ys, auxes = reference_moe(xs, w, cfg, bias)
@@ -126,7 +118,7 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, atol=ATOL, rtol=RTOL) -> 
 
 
 def check_against_reference(
-    cfg: MoEConfig,
+    cfg: c.MoEConfig,
     tokens: list[int],
     seed: int,
     positive=False,

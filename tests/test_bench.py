@@ -86,10 +86,20 @@ def test_bench_a2a_on_two_local_ranks_ends_with_a_json_line_of_results(capfd):
         assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"] and r["algbw_gbps"] > 0
 
 
-def test_bench_a2a_rejects_an_unknown_algorithm_before_starting_ranks(capfd):
-    args = _parse(["bench", "a2a", "--algorithms", "nope"])
+# Bad input to a bench command: exit 2 and one line naming the flag, before any rank starts.
+REFUSED = [
+    (["a2a", "--algorithms", "nope"], "unknown all-to-all algorithm 'nope'"),
+    (["step", "--peer", "megablocks"], "--peer must be deepspeed"),
+    (["step", "--grad-windows", "1,0"], "--grad-windows must be >= 1, got [1, 0]"),
+    (["step", "--batch", "4", "--micro-chunks", "1,3"], "divide --batch 4, got [1, 3]"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_bench_refuses_bad_input_before_starting_ranks(argv, message, capfd):
+    args = _parse(["bench", *argv])
     assert args.func(args) == 2
-    assert "unknown all-to-all algorithm 'nope'" in capfd.readouterr().err
+    assert message in capfd.readouterr().err
 
 
 def test_bench_layer_reports_each_candidate_and_states_its_lower_bound(capfd):
@@ -147,50 +157,34 @@ def test_bench_step_times_each_grad_sync_row_and_states_its_parts(capfd):
         assert out["compute_ms"] >= out["compute1_ms"]  # (below-the-bound rows: the report's claim)
 
 
-def test_bench_step_refuses_a_peer_that_is_not_installed_or_known(capfd):
-    args = _parse(["bench", "step", "--peer", "megablocks"])
-    assert args.func(args) == 2
-    assert "--peer must be deepspeed" in capfd.readouterr().err
+def _step_rows(capfd, *argv: str) -> list[dict]:
+    """The rows of a tiny 2-rank `bench step` with `argv` added."""
+    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
+                   "--layers", "2", "--seq-len", "16", "--heads", "2",
+                   "--warmup", "1", "--repeats", "2", "--timeout", "120", *argv])  # fmt: skip
+    assert args.func(args) == 0
+    rows = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
+    assert all(r["median_ms"] > 0 for r in rows)
+    return rows
 
 
 def test_bench_step_runs_a_row_per_micro_chunk_count(capfd):
-    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
-                   "--layers", "2", "--seq-len", "16", "--batch", "4", "--heads", "2",
-                   "--micro-chunks", "1,2", "--grad-syncs", "scheduled",
-                   "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
-    assert args.func(args) == 0
-    rows = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
+    rows = _step_rows(capfd, "--batch", "4", "--micro-chunks", "1,2", "--grad-syncs", "scheduled")
     assert [(r["micro_chunks"], r["grad_sync"]) for r in rows] == [
         (1, "scheduled"),
         (2, "scheduled"),
     ]
-    assert all(r["median_ms"] > 0 for r in rows)
 
 
 def test_bench_step_runs_a_row_per_window_of_the_scheduled_sync_only(capfd):
-    args = _parse(["bench", "step", "--nproc", "2", "--model-dim", "32", "--hidden-dim", "64",
-                   "--layers", "2", "--seq-len", "16", "--batch", "2", "--heads", "2",
-                   "--grad-syncs", "ddp,scheduled", "--grad-windows", "1,3",
-                   "--warmup", "1", "--repeats", "2", "--timeout", "120"])  # fmt: skip
-    assert args.func(args) == 0
-    rows = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
+    rows = _step_rows(
+        capfd, "--batch", "2", "--grad-syncs", "ddp,scheduled", "--grad-windows", "1,3"
+    )
     assert [(r["grad_sync"], r["grad_window"]) for r in rows] == [
         ("ddp", 1),
         ("scheduled", 1),
         ("scheduled", 3),
     ]
-
-
-def test_bench_step_refuses_a_window_below_one(capfd):
-    args = _parse(["bench", "step", "--grad-windows", "1,0"])
-    assert args.func(args) == 2
-    assert "--grad-windows must be >= 1, got [1, 0]" in capfd.readouterr().err
-
-
-def test_bench_step_refuses_micro_chunks_that_do_not_divide_the_batch(capfd):
-    args = _parse(["bench", "step", "--batch", "4", "--micro-chunks", "1,3"])
-    assert args.func(args) == 2
-    assert "--micro-chunks must be >= 1 and divide --batch 4, got [1, 3]" in capfd.readouterr().err
 
 
 def test_bench_with_the_deepspeed_peer_prints_only_its_report_on_stdout():

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moe_cases import close
 from schemoe.dist.launch import spawn
 from schemoe.integrations.hf import from_hf_block, replace_moe_blocks, to_schemoe_experts
+from schemoe.integrations.hf_tiny import BASE
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,18 +27,7 @@ SEQ = 6
 
 
 # The tiny model both families are built at (each adds its own name for the expert count).
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 32,
-    "router_aux_loss_coef": 0.02,
-    "output_router_logits": True,
-}
+TINY = BASE | {"router_aux_loss_coef": 0.02}
 
 
 def mixtral():

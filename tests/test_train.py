@@ -15,17 +15,9 @@ import torch
 import torch.distributed as dist
 
 from schemoe import clip_grad_norm_
+from schemoe import config as c
 from schemoe.checkpoint import store as checkpoint
 from schemoe.checkpoint.meta import read_meta
-from schemoe.config import (
-    CollectiveConfig,
-    CompressionConfig,
-    ExpertConfig,
-    GateConfig,
-    MoEConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
 from schemoe.dist.launch import spawn
 from schemoe.layer.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
 from schemoe.train import loop as T
@@ -166,8 +158,8 @@ def test_every_moe_config_field_is_reachable_from_the_command_line():
         "--compressor-option",
         "zfp.rate=4",
     )
-    assert T.moe_config_from_args(a) == MoEConfig(
-        gate=GateConfig(
+    assert T.moe_config_from_args(a) == c.MoEConfig(
+        gate=c.GateConfig(
             num_experts=8,
             top_k=1,
             capacity_factor=0.0,
@@ -178,11 +170,13 @@ def test_every_moe_config_field_is_reachable_from_the_command_line():
             z_loss_weight=0.001,
             bias_update_rate=0.01,
         ),
-        experts=ExpertConfig(model_dim=32, hidden_dim=48, activation="swiglu", bias=True),
-        parallel=ParallelConfig(ranks_per_node=2),
-        schedule=ScheduleConfig(policy="tutel", chunks=4),
-        collective=CollectiveConfig(algorithm="hier2d"),
-        compression=CompressionConfig(forward="zfp", backward="int8", options={"zfp": {"rate": 4}}),
+        experts=c.ExpertConfig(model_dim=32, hidden_dim=48, activation="swiglu", bias=True),
+        parallel=c.ParallelConfig(ranks_per_node=2),
+        schedule=c.ScheduleConfig(policy="tutel", chunks=4),
+        collective=c.CollectiveConfig(algorithm="hier2d"),
+        compression=c.CompressionConfig(
+            forward="zfp", backward="int8", options={"zfp": {"rate": 4}}
+        ),
     )
 
 

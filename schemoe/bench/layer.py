@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .. import compression
 from .. import config as c
-from ..cliargs import Check, for_flag, int_list, names
+from ..cliargs import Check, add_layer_shape, for_flag, int_list, names
 from ..collectives import ALGORITHMS
 from ..compression import COMPRESSORS
 from ..costmodel import profiles
@@ -80,15 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of r")  # fmt: skip
     p.add_argument("--peer", choices=["deepspeed"], action="append", default=[],
                    help="also time DeepSpeed-MoE's layer at the same shape (repeatable)")  # fmt: skip
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--model-dim", type=int, default=256, help="model dim M")
-    p.add_argument("--hidden-dim", type=int, default=1024, help="expert hidden dim H")
-    p.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token k")
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="f; 0 = dropless")
-    p.add_argument("--shared-hidden", type=int, default=0, metavar="HS",
-                   help="one shared expert of hidden dim HS in every candidate, each run with "
-                        "its task scheduled and before the dispatch (0: none)")  # fmt: skip
+    add_layer_shape(p.add_argument, tokens=1024, model_dim=256, hidden_dim=1024,
+                    capacity_factor=1.25,
+                    shared_help="one shared expert of hidden dim HS in every candidate, each run "
+                                "with its task scheduled and before the dispatch (0: none)")  # fmt: skip
     p.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="activations and weights")
     p.add_argument(
         "--device",

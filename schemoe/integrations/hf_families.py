@@ -50,7 +50,7 @@ Refused, with the reason (`REFUSED`): PhiMoE, whose routing MoELayer does not co
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -211,31 +211,44 @@ class FamilySpec:
         return tuple(links)
 
 
+_QWEN2_MOE = FamilySpec(
+    family="qwen2_moe",
+    blocks=("Qwen2MoeSparseMoeBlock",),
+    renormalize="norm_topk_prob",
+    shared="shared_expert",
+    shared_gate="shared_expert_gate",
+)
+_DEEPSEEK_V3 = FamilySpec(
+    family="deepseek_v3",
+    blocks=("DeepseekV3MoE",),
+    score="sigmoid",
+    renormalize="norm_topk_prob",
+    scale="routed_scaling_factor",
+    groups=("num_group", "topk_group"),
+    correction_bias="e_score_correction_bias",
+    shared="shared_experts",
+)
+
+
+def _as(spec: FamilySpec, family: str, block: str) -> FamilySpec:
+    """`spec`'s routing and weights under another family's name and block class."""
+    return replace(spec, family=family, blocks=(block,))
+
+
+def _qwen3(family: str, block: str) -> FamilySpec:
+    """Softmax, top-k, renormalised iff the router's norm_topk_prob; no shared expert."""
+    return FamilySpec(family=family, blocks=(block,), renormalize="norm_topk_prob")
+
+
 FAMILIES: dict[str, FamilySpec] = {
     spec.family: spec
     for spec in (
         FamilySpec(family="mixtral", blocks=("MixtralSparseMoeBlock",), jitter="jitter_noise"),
-        FamilySpec(
-            family="qwen2_moe",
-            blocks=("Qwen2MoeSparseMoeBlock",),
-            renormalize="norm_topk_prob",
-            shared="shared_expert",
-            shared_gate="shared_expert_gate",
-        ),
-        FamilySpec(
-            family="qwen3_moe", blocks=("Qwen3MoeSparseMoeBlock",), renormalize="norm_topk_prob"
-        ),
-        FamilySpec(family="olmoe", blocks=("OlmoeSparseMoeBlock",), renormalize="norm_topk_prob"),
-        FamilySpec(
-            family="flex_olmo", blocks=("FlexOlmoSparseMoeBlock",), renormalize="norm_topk_prob"
-        ),
-        FamilySpec(
-            family="qwen3_next",
-            blocks=("Qwen3NextSparseMoeBlock",),
-            renormalize="norm_topk_prob",
-            shared="shared_expert",
-            shared_gate="shared_expert_gate",
-        ),
+        _QWEN2_MOE,
+        _qwen3("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+        _qwen3("olmoe", "OlmoeSparseMoeBlock"),
+        _qwen3("flex_olmo", "FlexOlmoSparseMoeBlock"),
+        _as(_QWEN2_MOE, "qwen3_next", "Qwen3NextSparseMoeBlock"),
         FamilySpec(family="minimax", blocks=("MiniMaxSparseMoeBlock",), jitter="jitter_noise"),
         FamilySpec(family="granitemoe", blocks=("GraniteMoeMoE",), router="router"),
         # Its shared MLP sits in the decoder layer, outside the block: only the block changes.
@@ -269,26 +282,8 @@ FAMILIES: dict[str, FamilySpec] = {
             shared="shared_expert",
             returns_router=1,
         ),
-        FamilySpec(
-            family="deepseek_v3",
-            blocks=("DeepseekV3MoE",),
-            score="sigmoid",
-            renormalize="norm_topk_prob",
-            scale="routed_scaling_factor",
-            groups=("num_group", "topk_group"),
-            correction_bias="e_score_correction_bias",
-            shared="shared_experts",
-        ),
-        FamilySpec(
-            family="glm4_moe",
-            blocks=("Glm4MoeMoE",),
-            score="sigmoid",
-            renormalize="norm_topk_prob",
-            scale="routed_scaling_factor",
-            groups=("num_group", "topk_group"),
-            correction_bias="e_score_correction_bias",
-            shared="shared_experts",
-        ),
+        _DEEPSEEK_V3,
+        _as(_DEEPSEEK_V3, "glm4_moe", "Glm4MoeMoE"),
     )
 }
 

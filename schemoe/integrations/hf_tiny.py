@@ -31,6 +31,7 @@ from .hf_export import save_pretrained
 from .hf_families import FAMILIES, to_moe_experts
 
 __all__ = [
+    "BASE",
     "REFUSED_TINY",
     "TINY",
     "bf16_routing_mismatch",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 VOCAB = 64
-_BASE = {
+BASE = {  # every tiny model's config, before its family's overrides
     "vocab_size": VOCAB,
     "hidden_size": 32,
     "intermediate_size": 40,
@@ -167,7 +168,7 @@ REFUSED_TINY: dict[str, tuple[str, str, dict]] = {
 def tiny(family: str, std: float | None = None, seed: int = 0) -> nn.Module:
     """The tiny fp32 causal LM of `family` (TINY or REFUSED_TINY), in eval mode."""
     cfg_name, model_name, over = (TINY | REFUSED_TINY)[family]
-    cfg = getattr(tf, cfg_name)(**(_BASE | over))
+    cfg = getattr(tf, cfg_name)(**(BASE | over))
     torch.manual_seed(seed)
     model = getattr(tf, model_name)(cfg).float().eval()
     if std is not None:

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..cliargs import Check, for_flag, guard
+from ..cliargs import Check, add_layer_shape, for_flag, guard
 from ..costmodel import profiles
 from ..costmodel.hardware import preset
 from ..costmodel.model import LayerShape
@@ -358,19 +358,13 @@ def register(subparsers) -> None:
     s.add_argument("--ranks-per-node", type=int, default=None, help="override the preset's")
     s.add_argument("--layers", type=int, default=1,
                    help="MoE layers per step (--step: the GPT's blocks, as in schemoe train)")  # fmt: skip
-    s.add_argument(
-        "--tokens", type=int, default=None, help="tokens per rank (B x L); not with --step"
-    )
+    add_layer_shape(s.add_argument, tokens=None, model_dim=None, hidden_dim=None,
+                    capacity_factor=1.0, hidden_dest="hidden",
+                    tokens_help="tokens per rank (B x L); not with --step",
+                    shared_help="one shared expert of hidden dim HS: its task in the schedule; "
+                                "the chosen configuration is also predicted with it before the "
+                                "dispatch")  # fmt: skip
     s.add_argument("--seq-len", type=int, default=0, help="> 0 adds attention FLOPs per layer")
-    s.add_argument("--model-dim", type=int, default=None, help="model dim M (required)")
-    s.add_argument("--hidden-dim", dest="hidden", type=int, default=None,
-                   help="expert hidden dim (required)")  # fmt: skip
-    s.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
-    s.add_argument("--top-k", type=int, default=2, help="experts per token k")
-    s.add_argument("--capacity-factor", type=float, default=1.0, help="f")
-    s.add_argument("--shared-hidden", type=int, default=0, metavar="HS",
-                   help="one shared expert of hidden dim HS: its task in the schedule; the "
-                        "chosen configuration is also predicted with it before the dispatch")  # fmt: skip
     s.add_argument(
         "--activation",
         default="gelu",
