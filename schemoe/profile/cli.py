@@ -161,18 +161,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _shape(args, hw):
-
-    return LayerShape(
-        tokens=args.tokens,
-        model_dim=args.model_dim,
-        hidden_dim=args.hidden,
-        experts=args.experts or 2 * hw.world,
-        top_k=args.top_k,
-        capacity_factor=args.capacity_factor,
-        activation=args.activation,
-        dtype_bytes=args.dtype_bytes,
-        shared_hidden=args.shared_hidden,
-    )
+    return simstep.shape_of(LayerShape, args, hw)
 
 
 def _systems(hw, shape, layers: int, dense: float) -> list[dict]:

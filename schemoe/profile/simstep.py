@@ -12,13 +12,14 @@ Ends with one JSON line: {"preset", "results": [{"policy", "chunks", "grad_sync"
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ..costmodel.hardware import Hardware
 from ..costmodel.stack import predict_stack_step
 from ..costmodel.step import StepShape, explore_step
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "shape_of"]
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -42,23 +43,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="--step: comma list of m (m > 1: the blocks as a wavefront stack)")  # fmt: skip
 
 
+def shape_of(cls: type, args: argparse.Namespace, hw: Hardware):
+    """`cls` (LayerShape or StepShape) from the `profile simulate` flags: each field from the
+    flag of its name, the expert hidden dim from --hidden-dim, E from --experts (default 2 per
+    rank); a field without a flag keeps its default."""
+    given = {
+        "hidden_dim": args.hidden,
+        "hidden": args.hidden,
+        "experts": args.experts or 2 * hw.world,
+    }
+    names = (f.name for f in dataclasses.fields(cls))
+    return cls(
+        **{
+            n: given[n] if n in given else getattr(args, n)
+            for n in names
+            if n in given or hasattr(args, n)
+        }
+    )
+
+
 def run(args: argparse.Namespace, hw: Hardware) -> int:
     if args.seq_len < 1 or args.batch < 1:
         raise ValueError(
             f"--step needs --seq-len and --batch >= 1, got {args.seq_len}, {args.batch}"
         )
-    shape = StepShape(
-        batch=args.batch,
-        seq_len=args.seq_len,
-        model_dim=args.model_dim,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        moe_every=args.moe_every,
-        experts=args.experts or 2 * hw.world,
-        top_k=args.top_k,
-        capacity_factor=args.capacity_factor,
-    )
+    shape = shape_of(StepShape, args, hw)
     shape.layer()  # the MoE layer's shape checks its own fields
     chunks = tuple(r for r in (1, 2, 4, 8, 16) if r <= args.max_chunks)
     preds = explore_step(
