@@ -114,9 +114,11 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
             self.expert_load = None
-        # Per-expert choices and kept choices since take_routing_stats (training calls, when on).
+        # Per-expert choices and kept choices since take_routing_stats (training calls, when on),
+        # and the same since the layer was built (never reset: a re-planner differences reads).
         self.record_routing = False
         self._routing_counts: torch.Tensor | None = None
+        self._routing_total: torch.Tensor | None = None
         # state_dict() holds this rank's experts only, under the layer's names: record which
         # slice, so loading it into another expert layout raises instead of mixing experts up.
         self._register_state_dict_hook(_record_expert_slice)
@@ -263,6 +265,7 @@ class MoELayer(nn.Module):
                 )
         if self.record_routing and count:
             self._routing_counts = tally(self._routing_counts, routing)
+            self._routing_total = tally(self._routing_total, routing)
         return x_TM, routing, aux
 
     def region(self, meta) -> Region:
@@ -309,6 +312,12 @@ class MoELayer(nn.Module):
         reset; None if none. Tallied on the device per call (no sync); one host sync here."""
         counts, self._routing_counts = self._routing_counts, None
         return None if counts is None else LoadMetrics.from_counts(counts.tolist())  # host sync
+
+    def routing_total(self) -> torch.Tensor | None:
+        """Choices per expert and kept choices of every training call while `record_routing`
+        since the layer was built: the device tally [E + 1] (no sync), never reset (readers
+        difference two reads, so `take_load_metrics` does not disturb them); None before one."""
+        return self._routing_total
 
     def take_routing_stats(self) -> dict[str, Any] | None:
         """take_load_metrics() as a dict ({"tokens", "load", "dropped", "overload"}) or None."""
