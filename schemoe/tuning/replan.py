@@ -283,14 +283,26 @@ class Replanner:
         for i, m in enumerate(self.layers):
             if m.running is not None:
                 groups.setdefault(id(m.topology.group), []).append(i)
-        measured = []
+        measured, seen = [], {}
         for idx in groups.values():
             pictures, medians = self._gather(idx)
-            for i, med in zip(idx, medians):
+            for i, pic, med in zip(idx, pictures, medians):
                 measured += self._measure(i, med)
-            if not self.schedule:
-                self._decide(step, idx, pictures)
+                seen[i] = pic
+        if not self.schedule:
+            self.decide(step, seen)
         return measured
+
+    def decide(self, step: int, pictures: Mapping[int, Picture | None]) -> None:
+        """Steps 2-3 of the module docstring for the layers in `pictures` (index -> Picture,
+        None: no calls seen), as the decision point after `step` does with the pictures it
+        gathered; a switch runs from step + 1. Collective over each layer's group: call it on
+        every rank with the same layers (tests and replays hand it scripted pictures)."""
+        groups: dict[int, list[int]] = {}
+        for i in sorted(pictures):
+            groups.setdefault(id(self.layers[i].topology.group), []).append(i)
+        for idx in groups.values():
+            self._decide(step, idx, [pictures[i] for i in idx])
 
     def _gather(self, idx: list[int]) -> tuple[list[Picture | None], list[float | None]]:
         """Step 1: every rank's window of the layers `idx` (one group), one all_gather."""
