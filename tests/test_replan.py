@@ -1,0 +1,204 @@
+"""The re-planner: pricing a routing picture, switching with threshold and hysteresis, every rank
+agreeing, and a re-planned run equal to the same plans forced at the same steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
+from schemoe.costmodel.hardware import Hardware, Link
+from schemoe.tuning.picture import Picture, plan_for
+from schemoe.tuning.replan import Replanner, schedule_of
+
+E, M, H = 4, 16, 32
+# A made-up cluster on which r and policy matter at these tiny shapes: slow links and compute,
+# cheap fixed costs (the presets' fixed costs hide every difference at this size).
+TOY = Hardware(name="toy", nodes=1, ranks_per_node=2, intra=Link(1e-5, 1e7),
+               inter=Link(1e-5, 1e7), flops=1e8, gemm_alpha=1e-5, memory=1e10,
+               task_overhead=1e-4)  # fmt: skip
+T = 64  # tokens per rank per call in the scripted pictures
+
+
+def _config(policy: str = "sequential", chunks: int = 1, f: float = 0.0) -> MoEConfig:
+    return MoEConfig(
+        gate=GateConfig(num_experts=E, top_k=2, capacity_factor=f),
+        experts=ExpertConfig(model_dim=M, hidden_dim=H),
+        schedule=ScheduleConfig(policy=policy, chunks=chunks),
+    )
+
+
+def _even(calls: int = 1) -> Picture:
+    """Both ranks send k T / E choices to every expert, per call."""
+    n = 2 * T // E * calls
+    return Picture(((n,) * E, (n,) * E), (calls, calls), (T * calls, T * calls))
+
+
+def _skewed(calls: int = 1) -> Picture:
+    """Every choice of both ranks goes to rank 0's experts."""
+    n = T * calls
+    return Picture(((n, n, 0, 0), (n, n, 0, 0)), (calls, calls), (T * calls, T * calls))
+
+
+# ------------------------------------------------------------------ the picture and its price
+def test_the_send_matrix_sums_each_destinations_experts_per_call():
+    pic = Picture(((10, 10, 0, 0), (6, 2, 0, 4)), (2, 2), (10, 6))
+    assert pic.send_PP == [[10.0, 0.0], [4.0, 2.0]]
+    assert pic.load_E == [16, 12, 0, 4]
+
+
+def test_a_skewed_picture_is_priced_at_the_busiest_ranks_volume_when_dropless():
+    pic = Picture(((10, 10, 0, 0), (6, 2, 0, 0)), (1, 1), (10, 4))
+    # rank 0 receives 20 + 8 = 28 rows per call, the most any rank sends or receives: 28 / k.
+    assert pic.busiest() == 28 and pic.priced_tokens(2, dropless=True) == 14
+
+
+def test_a_capacity_layer_is_priced_at_its_tokens_whatever_the_skew():
+    assert _skewed(3).priced_tokens(2, dropless=False) == T
+
+
+def test_an_even_picture_is_priced_at_its_own_tokens():
+    assert _even(4).priced_tokens(2, dropless=True) == T and _even().skew() == 1.0
+
+
+def test_a_picture_without_one_row_per_rank_names_the_row_counts():
+    with pytest.raises(ValueError, match="2, 1 and 2 rows"):
+        Picture(((1, 1), (1, 1)), (1,), (1, 1))
+
+
+def test_plan_for_gives_no_gain_when_the_best_plan_is_the_running_one():
+    hw = TOY.with_topology(1, 2)
+    best, _, _ = plan_for(_config(), T, hw, "lossless")
+    again, _, gain = plan_for(best, T, hw, "lossless")
+    assert again == best and gain == 0.0
+
+
+# ------------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"every": 0}, "every must be an int >= 1, got 0"),
+        ({"every": 2.5}, "every must be an int >= 1, got 2.5"),
+        ({"confirm": 0}, "confirm must be an int >= 1, got 0"),
+        ({"threshold": 1.0}, r"threshold must be a number in \[0, 1\), got 1.0"),
+        ({"threshold": -0.1}, r"threshold must be a number in \[0, 1\), got -0.1"),
+        ({"budget": "cheap"}, "budget must be one of .* got 'cheap'"),
+        ({"start": -1}, "start must be an int >= 0, got -1"),
+        ({"schedule": {0: {}}}, "a schedule step must be an int >= 1, got 0"),
+        ({"schedule": {3: {5: _config()}}}, "layer 5 is not a MoE layer index"),
+        ({"schedule": {3: {0: _config("auto")}}}, "fixed policy"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_a_bad_replanner_argument_raises_value_error_naming_it(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        Replanner(MoELayer(_config()), **kwargs)
+
+
+def test_a_step_that_does_not_advance_names_the_last_one():
+    rp = Replanner(MoELayer(_config()), start=4)
+    with pytest.raises(ValueError, match=r"> the last one \(4\), got 4"):
+        rp.step(4)
+
+
+# ------------------------------------------------------------------ scripted pictures, 2 ranks
+# Decision points every 10 steps see: even, skewed, even, skewed, skewed, skewed, even.
+SCRIPT = [(10, "even"), (20, "skewed"), (30, "even"), (40, "skewed"), (50, "skewed"),
+          (60, "skewed"), (70, "even")]  # fmt: skip
+
+
+def _scripted(rank, world, confirm, threshold_x):
+    hw = TOY.with_topology(1, 2)
+    start, _, _ = plan_for(_config(), T, hw, "lossless")  # the even picture's best plan
+    tokens = _skewed().priced_tokens(2, dropless=True)
+    _, _, gain = plan_for(start, tokens, hw, "lossless")
+    assert gain > 0  # on TOY the skewed picture has another best plan
+    layer = MoELayer(start)
+    rp = Replanner(layer, every=10, threshold=gain * threshold_x, confirm=confirm, hardware=TOY)
+    for step, kind in SCRIPT:
+        rp.decide(step, {0: _even() if kind == "even" else _skewed()})
+    return [(s.step, s.old, s.new, round(s.predicted_gain, 12)) for s in rp.history]
+
+
+@pytest.mark.parametrize(
+    ("confirm", "threshold_x", "steps"),
+    [(2, 0.5, [51]), (1, 0.5, [21]), (2, 2.0, [])],
+    ids=["two-wins-in-a-row", "one-win", "gain-under-threshold"],
+)
+def test_scripted_skew_switches_at_the_expected_steps_and_the_ranks_agree(
+    ranks, confirm, threshold_x, steps
+):
+    every = ranks(2).run(_scripted, confirm, threshold_x)
+    assert every[0] == every[1]  # the same decisions on both ranks
+    assert [s for s, *_ in every[0]] == steps
+
+
+# ------------------------------------------------------------------ a run, replanned vs forced
+class _Tiny(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.inp = nn.Linear(M, M)
+        self.moe = nn.ModuleList([MoELayer(cfg, seed=1), MoELayer(cfg, seed=2)])
+
+    def forward(self, x):
+        h, aux = self.inp(x), 0.0
+        for m in self.moe:
+            y, a = m(h)
+            h, aux = h + y, aux + a
+        return h, aux
+
+
+def _train(rank, world, schedule, steps=8):
+    torch.manual_seed(0)
+    model = _Tiny(_config("tutel", 8))  # slow on TOY at this size: the re-planner leaves it
+    if schedule is None:
+        rp = Replanner(model, every=2, threshold=0.05, confirm=2, hardware=TOY)
+    else:
+        rp = Replanner(model, every=2, schedule=schedule)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for step in range(1, steps + 1):
+        x = torch.randn(T, M, generator=g)
+        h, aux = model(x)
+        loss = h.pow(2).mean() + aux
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        rp.step(step)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, params, rp.history
+
+
+def _replanned_then_forced(rank, world):
+    losses, params, history = _train(rank, world, None)
+    f_losses, f_params, f_history = _train(rank, world, schedule_of(history))
+    return (
+        [(s.step, s.layer, s.new) for s in history],
+        [(s.step, s.layer, s.new) for s in f_history],
+        losses == f_losses,
+        all(torch.equal(params[n], f_params[n]) for n in params),
+    )
+
+
+def test_a_replanned_run_equals_the_run_with_its_plans_forced_at_the_same_steps(ranks):
+    every = ranks(2).run(_replanned_then_forced)
+    switches, forced, same_losses, same_params = every[0]
+    assert switches and forced == switches  # it switched, and forcing replays the same switches
+    assert every[1][0] == switches  # both ranks took the same decisions
+    assert all(r[2] and r[3] for r in every)  # bitwise equal losses and parameters, per rank
+
+
+def test_forced_plans_at_the_first_step_apply_at_construction():
+    layer = MoELayer(_config("tutel", 4))
+    target = dataclasses.replace(_config(), schedule=ScheduleConfig(policy="schemoe", chunks=2))
+    rp = Replanner(layer, schedule={1: {0: target}, 3: {0: _config()}})
+    assert layer.running == target and [s.step for s in rp.history] == [1]
+    rp.step(1)
+    assert layer.running == target
+    rp.step(2)  # the plan of step 3 runs from step 3 on
+    assert layer.running == _config() and [s.step for s in rp.history] == [1, 3]
