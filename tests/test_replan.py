@@ -4,6 +4,7 @@ agreeing, and a re-planned run equal to the same plans forced at the same steps.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -11,8 +12,11 @@ from torch import nn
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
 from schemoe.costmodel.hardware import Hardware, Link
+from schemoe.train import loop
+from schemoe.tuning import replan
 from schemoe.tuning.picture import Picture, plan_for
 from schemoe.tuning.replan import Replanner, schedule_of
+from train_cases import tiny
 
 E, M, H = 4, 16, 32
 # A made-up cluster on which r and policy matter at these tiny shapes: slow links and compute,
@@ -20,7 +24,7 @@ E, M, H = 4, 16, 32
 TOY = Hardware(name="toy", nodes=1, ranks_per_node=2, intra=Link(1e-5, 1e7),
                inter=Link(1e-5, 1e7), flops=1e8, gemm_alpha=1e-5, memory=1e10,
                task_overhead=1e-4)  # fmt: skip
-T = 64  # tokens per rank per call in the scripted pictures
+TOKENS = 64  # tokens per rank per call in the scripted pictures
 
 
 def _config(policy: str = "sequential", chunks: int = 1, f: float = 0.0) -> MoEConfig:
@@ -33,14 +37,14 @@ def _config(policy: str = "sequential", chunks: int = 1, f: float = 0.0) -> MoEC
 
 def _even(calls: int = 1) -> Picture:
     """Both ranks send k T / E choices to every expert, per call."""
-    n = 2 * T // E * calls
-    return Picture(((n,) * E, (n,) * E), (calls, calls), (T * calls, T * calls))
+    n = 2 * TOKENS // E * calls
+    return Picture(((n,) * E, (n,) * E), (calls, calls), (TOKENS * calls, TOKENS * calls))
 
 
 def _skewed(calls: int = 1) -> Picture:
     """Every choice of both ranks goes to rank 0's experts."""
-    n = T * calls
-    return Picture(((n, n, 0, 0), (n, n, 0, 0)), (calls, calls), (T * calls, T * calls))
+    n = TOKENS * calls
+    return Picture(((n, n, 0, 0), (n, n, 0, 0)), (calls, calls), (TOKENS * calls, TOKENS * calls))
 
 
 # ------------------------------------------------------------------ the picture and its price
@@ -57,11 +61,11 @@ def test_a_skewed_picture_is_priced_at_the_busiest_ranks_volume_when_dropless():
 
 
 def test_a_capacity_layer_is_priced_at_its_tokens_whatever_the_skew():
-    assert _skewed(3).priced_tokens(2, dropless=False) == T
+    assert _skewed(3).priced_tokens(2, dropless=False) == TOKENS
 
 
 def test_an_even_picture_is_priced_at_its_own_tokens():
-    assert _even(4).priced_tokens(2, dropless=True) == T and _even().skew() == 1.0
+    assert _even(4).priced_tokens(2, dropless=True) == TOKENS and _even().skew() == 1.0
 
 
 def test_a_picture_without_one_row_per_rank_names_the_row_counts():
@@ -71,8 +75,8 @@ def test_a_picture_without_one_row_per_rank_names_the_row_counts():
 
 def test_plan_for_gives_no_gain_when_the_best_plan_is_the_running_one():
     hw = TOY.with_topology(1, 2)
-    best, _, _ = plan_for(_config(), T, hw, "lossless")
-    again, _, gain = plan_for(best, T, hw, "lossless")
+    best, _, _ = plan_for(_config(), TOKENS, hw, "lossless")
+    again, _, gain = plan_for(best, TOKENS, hw, "lossless")
     assert again == best and gain == 0.0
 
 
@@ -112,7 +116,7 @@ SCRIPT = [(10, "even"), (20, "skewed"), (30, "even"), (40, "skewed"), (50, "skew
 
 def _scripted(rank, world, confirm, threshold_x):
     hw = TOY.with_topology(1, 2)
-    start, _, _ = plan_for(_config(), T, hw, "lossless")  # the even picture's best plan
+    start, _, _ = plan_for(_config(), TOKENS, hw, "lossless")  # the even picture's best plan
     tokens = _skewed().priced_tokens(2, dropless=True)
     _, _, gain = plan_for(start, tokens, hw, "lossless")
     assert gain > 0  # on TOY the skewed picture has another best plan
@@ -162,7 +166,7 @@ def _train(rank, world, schedule, steps=8):
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
     for step in range(1, steps + 1):
-        x = torch.randn(T, M, generator=g)
+        x = torch.randn(TOKENS, M, generator=g)
         h, aux = model(x)
         loss = h.pow(2).mean() + aux
         opt.zero_grad()
@@ -187,10 +191,13 @@ def _replanned_then_forced(rank, world):
 
 def test_a_replanned_run_equals_the_run_with_its_plans_forced_at_the_same_steps(ranks):
     every = ranks(2).run(_replanned_then_forced)
-    switches, forced, same_losses, same_params = every[0]
+    switches, forced = every[0][:2]
     assert switches and forced == switches  # it switched, and forcing replays the same switches
     assert every[1][0] == switches  # both ranks took the same decisions
-    assert all(r[2] and r[3] for r in every)  # bitwise equal losses and parameters, per rank
+    for rank, (*_, same_losses, same_params) in enumerate(every):
+        assert same_losses and same_params, (
+            f"rank {rank}: losses {same_losses}, params {same_params}"
+        )
 
 
 def test_forced_plans_at_the_first_step_apply_at_construction():
@@ -202,3 +209,34 @@ def test_forced_plans_at_the_first_step_apply_at_construction():
     assert layer.running == target
     rp.step(2)  # the plan of step 3 runs from step 3 on
     assert layer.running == _config() and [s.step for s in rp.history] == [1, 3]
+
+
+# ------------------------------------------------------------------ schemoe train --replan
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--replan-every", "0"], "--replan-every must be >= 1, got 0"),
+        (["--replan", "--micro-chunks", "2"], "--micro-chunks 2 cannot run --replan"),
+    ],
+    ids=["every-0", "with-micro-chunks"],
+)
+def test_a_bad_replan_flag_names_it(argv, named):
+    with pytest.raises(ValueError, match=named):
+        tiny(*argv)
+
+
+def test_train_with_replan_switches_a_slow_plan_and_logs_the_switch(tmp_path, capsys, monkeypatch):
+    # The planning record: TOY, not a quick profile of this machine (seconds, and a machine's
+    # figures); the rest is the run's own path.
+    monkeypatch.setattr(replan, "plan_record", lambda topo, *a, **k: (TOY, None))
+    log = tmp_path / "m.jsonl"
+    out = loop.train(0, 1, tiny("--steps", "6", "--replan", "--replan-every", "2", "--policy",
+                             "tutel", "--chunks", "8", "--eval-seqs", "0", "--log-file",
+                             str(log)))  # fmt: skip
+    (switch,) = out["replans"]
+    assert switch["step"] == 5 and switch["old"]["chunks"] == 8 and switch["predicted_gain"] > 0
+    assert out["moe_layers"] == [switch["new"]]
+    rows = [json.loads(ln)["replan"] for ln in log.read_text().splitlines() if "replan" in ln]
+    assert [r["measured_gain"] is None for r in rows] == [True, False]  # made, then measured
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("replan:")]
+    assert len(lines) == 1 and "from step 5 (was tutel r=8 naive none" in lines[0]
