@@ -80,6 +80,45 @@ def test_plan_for_gives_no_gain_when_the_best_plan_is_the_running_one():
     assert again == best and gain == 0.0
 
 
+def test_dropped_keeps_up_to_the_capacity_of_each_expert_per_rank():
+    # T = 8 per call, k = 2, E = 4: f = 1 gives C = 4 rows per expert; expert 0 asks for 8.
+    pic = Picture(((8, 4, 4, 0),), (1,), (8,))
+    assert pic.dropped(1.0, 2) == pytest.approx(4 / 16) and pic.dropped(2.0, 2) == 0.0
+
+
+# ------------------------------------------------------------------ the capacity factor, opt-in
+def _one_rank_skew() -> Picture:
+    """One rank, every choice on experts 0 and 1: f = 2 keeps them all."""
+    return Picture(((TOKENS, TOKENS, 0, 0),), (1,), (TOKENS,))
+
+
+def _capacity_run(factors: tuple[float, ...]) -> list[tuple]:
+    layer = MoELayer(_config(f=1.0))
+    rp = Replanner(layer, every=10, capacity_factors=factors, hardware=TOY)
+    for step in (10, 20, 30):
+        rp.decide(step, {0: _one_rank_skew()})
+    even = Picture(((TOKENS // 2,) * E,), (1,), (TOKENS,))
+    for step in (40, 50):
+        rp.decide(step, {0: even})
+    return [(s.step, s.new.get("capacity_factor")) for s in rp.history]
+
+
+def test_an_opted_in_capacity_layer_raises_f_under_skew_and_lowers_it_when_even():
+    assert _capacity_run((1.0, 1.5, 2.0)) == [(21, 2.0), (51, 1.0)]
+
+
+def test_a_capacity_layer_keeps_its_f_unless_opted_in():
+    assert all(f is None for _, f in _capacity_run(()))
+
+
+def test_configure_takes_another_f_in_capacity_mode_but_not_dropless():
+    layer = MoELayer(_config(f=1.0))
+    layer.configure(_config(f=2.0))
+    assert layer.running.gate.capacity_factor == 2.0
+    with pytest.raises(ValueError, match="capacity-mode f"):
+        layer.configure(_config(f=0.0))
+
+
 # ------------------------------------------------------------------ bad arguments
 @pytest.mark.parametrize(
     ("kwargs", "named"),
@@ -91,6 +130,8 @@ def test_plan_for_gives_no_gain_when_the_best_plan_is_the_running_one():
         ({"threshold": -0.1}, r"threshold must be a number in \[0, 1\), got -0.1"),
         ({"budget": "cheap"}, "budget must be one of .* got 'cheap'"),
         ({"start": -1}, "start must be an int >= 0, got -1"),
+        ({"capacity_factors": (1.0, 0.0)}, r"capacity_factors .* got \(1.0, 0.0\)"),
+        ({"max_drop": 1.5}, r"max_drop must be a number in \[0, 1\), got 1.5"),
         ({"schedule": {0: {}}}, "a schedule step must be an int >= 1, got 0"),
         ({"schedule": {3: {5: _config()}}}, "layer 5 is not a MoE layer index"),
         ({"schedule": {3: {0: _config("auto")}}}, "fixed policy"),

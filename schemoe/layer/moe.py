@@ -13,6 +13,7 @@ cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -127,9 +128,9 @@ class MoELayer(nn.Module):
     # ---------------------------------------------------------------- configuration
     def configure(self, config: MoEConfig, costs: Any = None) -> None:
         """Run `config` from the next call on: its policy, r, algorithm and compressors (the
-        gate, experts and parallel layout must be this layer's). `costs`: the cost model policy
-        "search" orders tasks with (required there; anything `scheduling.search` accepts); the
-        same on every rank.
+        gate, experts and parallel layout must be this layer's; in capacity mode f may differ).
+        `costs`: the cost model policy "search" orders tasks with (required there; anything
+        `scheduling.search` accepts); the same on every rank.
 
         Plug-in names are checked here, not in the config, so late registrations work. Every
         rank must configure the same way (the schedules' transfers are collectives)."""
@@ -141,10 +142,15 @@ class MoELayer(nn.Module):
                 "schemoe.tuning.auto.AutoTuner"
             )
         fixed = ("gate", "experts", "parallel", "shared")
-        if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
+        f, own = config.gate.capacity_factor, self.config.gate.capacity_factor
+        # In capacity mode f may change too (a re-planner's opt-in); dropless stays dropless.
+        gate = dataclasses.replace(config.gate, capacity_factor=own) if f and own else config.gate
+        if gate != self.config.gate or any(
+            getattr(config, x) != getattr(self.config, x) for x in fixed[1:]
+        ):
             raise ValueError(
-                f"configure() may change schedule, collective and compression only, "
-                f"not {fixed}: got {config!r}"
+                f"configure() may change schedule, collective and compression only (and a "
+                f"capacity-mode f), not {fixed}: got {config!r}"
             )
         policy = POLICIES.get(config.schedule.policy)
         if config.schedule.policy == "search" and costs is None:

@@ -7,6 +7,7 @@ d El .. (d + 1) El - 1), k choices per token, T tokens per rank per call.
     pic = Picture(counts_PE, calls_P, tokens_P)   # every rank's window, gathered (identical)
     pic.send_PP                                   # rows rank s sends to rank d, per call
     pic.priced_tokens(top_k, dropless)            # the T the cost model is asked about
+    pic.dropped(f, top_k)                         # what capacity factor f would drop
     best, running_s, gain = plan_for(config, pic, hw, budget)
 
 Pricing skew (the approximation, stated once here): the cost model (costmodel/model.py) assumes
@@ -98,6 +99,20 @@ class Picture:
         s = self.send_PP
         mean = sum(map(sum, s)) / len(s)
         return self.busiest() / mean if mean else 1.0
+
+    def dropped(self, capacity_factor: float, top_k: int) -> float:
+        """The fraction of the choices capacity factor f > 0 drops on this picture: rank p keeps
+        min(c, C_p) of the c choices per call of each expert, C_p = min(ceil(f k T_p / E), T_p)
+        (`routing.router.capacity`) at p's mean T_p tokens per call. Call-to-call variation is
+        left out (the window's mean per call is priced)."""
+        n, E = max(self.calls, 1), len(self.counts_PE[0])
+        kept = total = 0.0
+        for row, tokens in zip(self.counts_PE, self.tokens_P):
+            T = tokens / n
+            cap = min(math.ceil(capacity_factor * top_k * T / E), T)
+            kept += sum(min(c / n, cap) for c in row)
+            total += sum(row) / n
+        return 1.0 - kept / total if total else 0.0
 
     def priced_tokens(self, top_k: int, dropless: bool) -> int:
         """T' of the module docstring: the tokens per rank per call the layer is priced at."""

@@ -27,7 +27,9 @@ Decision points, after the steps s with s % every == 0 (every rank calls `step`)
      (`plan.from_rank0`), so every rank holds identical verdicts and applies the same rule.
   3. Switch (hysteresis): a layer switches, from step s + 1 on, when the same plan (other than
      the running one) has won with a predicted gain >= threshold at `confirm` consecutive
-     decision points (default 2); any other verdict restarts the count.
+     decision points (default 2); any other verdict restarts the count. With the opt-in
+     `capacity_factors`, a capacity-mode layer's f comes from a drop budget (`max_drop`) and a
+     plan with another f is wanted whatever its gain (more f is slower), with the same count.
   4. Record: each switch is a `Switch` in `history`; at the next decision point its measured
      gain is filled in: 1 - median forward call of the window after / of the window before
      (each the slowest rank's median).
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..costmodel import profiles
 from ..costmodel.hardware import Hardware
+from ..costmodel.prediction import predict_config
 from ..dist.devices import comm_device, control_tensor
 from ..dist.links import Links
 from ..dist.timing import percentile
@@ -63,41 +67,11 @@ from .auto import AutoTuner
 from .choose import BUDGETS
 from .picture import Picture, plan_for
 from .plan import from_rank0, plan_record
+from .switch import Switch, check_schedule, positive_int, schedule_of
 
 __all__ = ["Replanner", "Switch", "schedule_of"]
 
 log = logging.getLogger("schemoe.tuning.replan")
-
-
-@dataclass(frozen=True)
-class Switch:
-    """One plan change: `layer` (index in model order) runs `config` from `step` on.
-
-    `old` and `new` are `MoEConfig.summary()`s; `predicted_gain` is 1 - predicted new / running
-    step of the layer (None for a forced plan); `measured_gain` 1 - median forward call of the
-    window after / before (None until measured, or when a window had no calls)."""
-
-    step: int
-    layer: int
-    old: dict
-    new: dict
-    config: MoEConfig
-    predicted_gain: float | None
-    measured_gain: float | None = None
-
-    def as_dict(self) -> dict:
-        """The metrics file's record (without the full config)."""
-        out = dataclasses.asdict(self)
-        del out["config"]
-        return out
-
-
-def schedule_of(history: list[Switch]) -> dict[int, dict[int, MoEConfig]]:
-    """The forced schedule that replays `history`'s switches at the same steps."""
-    out: dict[int, dict[int, MoEConfig]] = {}
-    for s in history:
-        out.setdefault(s.step, {})[s.layer] = s.config
-    return out
 
 
 @dataclass
@@ -115,10 +89,9 @@ class _Watch:
     warm: bool = False  # the next call is the first after a switch: not sampled
 
 
-def _positive_int(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return v
+def _fraction(v: object, lo: float, hi: float) -> bool:
+    """Whether v is a number (not a bool) with lo <= v < hi."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and lo <= v < hi
 
 
 class Replanner:
@@ -137,6 +110,11 @@ class Replanner:
         schedule: forced plans {step: {layer index: MoEConfig}}; then no decision of its own.
         start: optimizer steps already taken (a resumed run).
         tuner: an AutoTuner of the same model; decision points wait until it has settled.
+        capacity_factors: opt-in (default none: f never changes, since changing f changes the
+            results): the capacity factors a capacity-mode layer may switch between; each
+            decision takes the smallest whose estimated drop (`Picture.dropped`) is <=
+            `max_drop`, else the largest, and plans at it.
+        max_drop: the drop fraction the capacity factor is chosen for.
     """
 
     def __init__(
@@ -151,13 +129,14 @@ class Replanner:
         schedule: Mapping[int, Mapping[int, MoEConfig]] | None = None,
         start: int = 0,
         tuner: AutoTuner | None = None,
+        capacity_factors: tuple[float, ...] = (),
+        max_drop: float = 0.01,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Replanner needs an nn.Module, got {type(model).__name__}")
-        self.every = _positive_int("every", every)
-        self.confirm = _positive_int("confirm", confirm)
-        ok = isinstance(threshold, int | float) and not isinstance(threshold, bool)
-        if not ok or not 0 <= threshold < 1:
+        self.every = positive_int("every", every)
+        self.confirm = positive_int("confirm", confirm)
+        if not _fraction(threshold, 0, 1):
             raise ValueError(f"threshold must be a number in [0, 1), got {threshold!r}")
         if budget is not None and budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS} or None, got {budget!r}")
@@ -165,9 +144,16 @@ class Replanner:
             raise ValueError(f"start must be an int >= 0, got {start!r}")
         if hardware is not None and not isinstance(hardware, Hardware):
             raise TypeError(f"hardware must be a Hardware record, got {type(hardware).__name__}")
+        fs = tuple(capacity_factors) if isinstance(capacity_factors, tuple | list) else None
+        if fs is None or not all(_fraction(f, 0, math.inf) and f > 0 for f in fs):
+            raise ValueError(f"capacity_factors must be a tuple of numbers > 0, got "
+                             f"{capacity_factors!r}")  # fmt: skip
+        if not _fraction(max_drop, 0, 1):
+            raise ValueError(f"max_drop must be a number in [0, 1), got {max_drop!r}")
+        self.capacity_factors, self.max_drop = tuple(sorted(fs)), max_drop
         self.threshold, self.budget, self.hardware, self.tuner = threshold, budget, hardware, tuner
         self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-        self.schedule = self._checked(schedule)
+        self.schedule = check_schedule(schedule, len(self.layers))
         self.history: list[Switch] = []
         self.done = start
         self._watch = [_Watch() for _ in self.layers]
@@ -180,27 +166,6 @@ class Replanner:
             self._hooks.append(m.register_forward_hook(self._after(i)))
         for s in sorted(k for k in self.schedule if k <= start + 1):
             self._force(s, start + 1)
-
-    def _checked(self, schedule) -> dict[int, dict[int, MoEConfig]]:
-        if schedule is None:
-            return {}
-        if not isinstance(schedule, Mapping):
-            raise TypeError(f"schedule must be a dict {{step: {{layer: MoEConfig}}}}, got "
-                            f"{type(schedule).__name__}")  # fmt: skip
-        for s, plans in schedule.items():
-            _positive_int("a schedule step", s)
-            for i, cfg in plans.items():
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.layers):
-                    raise ValueError(
-                        f"schedule step {s}: layer {i!r} is not a MoE layer index "
-                        f"(0..{len(self.layers) - 1})"
-                    )
-                if not isinstance(cfg, MoEConfig) or cfg.schedule.policy in ("auto", "search"):
-                    raise ValueError(
-                        f"schedule step {s}, layer {i}: a plan is a MoEConfig with a fixed "
-                        f"policy, got {cfg!r}"
-                    )
-        return {s: dict(p) for s, p in schedule.items()}
 
     def remove(self) -> None:
         """Detach the hooks (the layers keep what they run)."""
@@ -268,14 +233,16 @@ class Replanner:
         layer = self.layers[i]
         old = layer.running
         layer.configure(cfg)
-        self.history.append(
-            Switch(step, i, old.summary() if old else {}, cfg.summary(), cfg, predicted)
-        )
+        was, new = (old.summary() if old else {}), cfg.summary()
+        if old is not None and old.gate.capacity_factor != cfg.gate.capacity_factor:
+            was["capacity_factor"] = old.gate.capacity_factor
+            new["capacity_factor"] = cfg.gate.capacity_factor
+        self.history.append(Switch(step, i, was, new, cfg, predicted))
         self._watch[i].measuring = len(self.history) - 1
         self._watch[i].pending = None
         self._watch[i].warm = True
         log.info("replan: step %d layer %d: %s -> %s (predicted gain %s)", step, i,
-                 old.summary() if old else None, cfg.summary(), predicted)  # fmt: skip
+                 was, new, predicted)  # fmt: skip
 
     def _decision_point(self, step: int) -> list[int]:
         """Steps 1-4 of the module docstring; the history indices measured here."""
@@ -370,8 +337,13 @@ class Replanner:
         verdicts = from_rank0(lambda: [self._verdict(i, p, hw) for i, p in zip(idx, pictures)],
                               topo)  # fmt: skip
         for i, v in zip(idx, verdicts):
-            w = self._watch[i]
-            if v is None or v[2] < self.threshold or v[2] <= 0:
+            w, running = self._watch[i], self.layers[i].running
+            # A plan is wanted for its predicted gain, or for its capacity factor (the drop
+            # budget chose it: raising f is slower and still wanted).
+            wanted = v is not None and (
+                v[0].gate != running.gate or (v[2] > 0 and v[2] >= self.threshold)
+            )
+            if not wanted:
                 w.pending = None
                 continue
             cfg, _, gain = v
@@ -388,7 +360,18 @@ class Replanner:
         g = running.gate
         tokens = pic.priced_tokens(g.top_k, g.dropless)
         budget = self.budget or running.schedule.accuracy_budget
-        return plan_for(running, tokens, hw, budget, self._cache)
+        base = running
+        if self.capacity_factors and not g.dropless:  # opted in: f from the drop budget
+            fits = [f for f in self.capacity_factors if pic.dropped(f, g.top_k) <= self.max_drop]
+            f = fits[0] if fits else self.capacity_factors[-1]
+            gate = dataclasses.replace(g, capacity_factor=f)
+            base = dataclasses.replace(running, gate=gate) if f != g.capacity_factor else running
+        v = plan_for(base, tokens, hw, budget, self._cache)
+        if v is None or base is running:
+            return v
+        cfg, base_s, gain = v  # the gain over the running plan at its own f
+        now = predict_config(running, tokens, hw).step_s
+        return cfg, now, 1.0 - base_s * (1.0 - gain) / now if now > 0 else 0.0
 
     def _hardware(self, i: int, pictures: list[Picture | None]) -> Hardware | None:
         """The record to plan layer i's group on, at its topology (collective the first time
