@@ -30,6 +30,7 @@ window's mean per call is priced).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ from ..costmodel.model import A2A_MODELS, LayerShape
 from ..costmodel.prediction import Prediction, predict_config
 from .choose import AUTO_CHUNKS, AUTO_SKIPS, as_config, explore, shortlist
 
-__all__ = ["Picture", "plan_for"]
+__all__ = ["Picture", "plan_for", "with_capacity"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,22 @@ class Picture:
         if not dropless:
             return max(tokens, 1)
         return max(1, math.ceil(self.busiest() / top_k))
+
+
+def with_capacity(
+    running: MoEConfig, pic: Picture, factors: tuple[float, ...], max_drop: float
+) -> MoEConfig:
+    """`running` with the capacity factor the drop budget picks among `factors` (ascending):
+    the smallest whose `pic.dropped` is <= max_drop, else the largest. `running` itself when
+    dropless, without factors (the opt-in is off) or when that is its own f."""
+    g = running.gate
+    if not factors or g.dropless:
+        return running
+    fits = [f for f in factors if pic.dropped(f, g.top_k) <= max_drop]
+    f = fits[0] if fits else factors[-1]
+    if f == g.capacity_factor:
+        return running
+    return dataclasses.replace(running, gate=dataclasses.replace(g, capacity_factor=f))
 
 
 def _same_plan(config: MoEConfig, p: Prediction) -> bool:

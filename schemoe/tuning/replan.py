@@ -20,8 +20,8 @@ Decision points, after the steps s with s % every == 0 (every rank calls `step`)
 
   1. Picture: each rank's window (the tally's difference since the last point, calls, tokens,
      the median forward time) is all-gathered over the layer's group, the layers of one group
-     in one collective, in model order on every rank; host sync here (`.tolist()`), and on
-     CUDA the events' sync: the only host syncs the re-planner adds.
+     in one collective, in model order on every rank. Layers not configured yet are left out,
+     and the whole point waits while `tuner` (an AutoTuner) is still trying plans.
   2. Plan: rank 0 of the group prices each layer's picture (`picture.plan_for`: the busiest
      rank's volume priced as uniform routing, stated in picture.py) and broadcasts the verdicts
      (`plan.from_rank0`), so every rank holds identical verdicts and applies the same rule.
@@ -33,6 +33,11 @@ Decision points, after the steps s with s % every == 0 (every rank calls `step`)
   4. Record: each switch is a `Switch` in `history`; at the next decision point its measured
      gain is filled in: 1 - median forward call of the window after / of the window before
      (each the slowest rank's median).
+
+Host syncs, all at decision points, none per call: the gathered table's `.tolist()` (with a gloo
+control group on CUDA, also the tally's copy to the CPU before it), the CUDA events' elapsed
+times, the verdicts' broadcast (pickled objects), and without `hardware` the first point's
+record (`plan.plan_record`: the stored profile, else a quick profile measured then).
 
 A forced `schedule` ({step: {layer index: MoEConfig}}, layer indices in `model.modules()` order)
 applies its plans so that they run from that step on, through the same switch code; a Replanner
@@ -65,9 +70,9 @@ from ..layer.moe import MoELayer
 from ..layer.recompute import replaying
 from .auto import AutoTuner
 from .choose import BUDGETS
-from .picture import Picture, plan_for
+from .picture import Picture, plan_for, with_capacity
 from .plan import from_rank0, plan_record
-from .switch import Switch, check_schedule, positive_int, schedule_of
+from .switch import Switch, check_schedule, number_in, positive_int, schedule_of
 
 __all__ = ["Replanner", "Switch", "schedule_of"]
 
@@ -87,11 +92,6 @@ class _Watch:
     before_s: float | None = None  # the last window's median (slowest rank)
     measuring: int | None = None  # history index of a switch awaiting its measured gain
     warm: bool = False  # the next call is the first after a switch: not sampled
-
-
-def _fraction(v: object, lo: float, hi: float) -> bool:
-    """Whether v is a number (not a bool) with lo <= v < hi."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and lo <= v < hi
 
 
 class Replanner:
@@ -136,7 +136,7 @@ class Replanner:
             raise TypeError(f"Replanner needs an nn.Module, got {type(model).__name__}")
         self.every = positive_int("every", every)
         self.confirm = positive_int("confirm", confirm)
-        if not _fraction(threshold, 0, 1):
+        if not number_in(threshold, 0, 1):
             raise ValueError(f"threshold must be a number in [0, 1), got {threshold!r}")
         if budget is not None and budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS} or None, got {budget!r}")
@@ -145,10 +145,10 @@ class Replanner:
         if hardware is not None and not isinstance(hardware, Hardware):
             raise TypeError(f"hardware must be a Hardware record, got {type(hardware).__name__}")
         fs = tuple(capacity_factors) if isinstance(capacity_factors, tuple | list) else None
-        if fs is None or not all(_fraction(f, 0, math.inf) and f > 0 for f in fs):
+        if fs is None or not all(number_in(f, 0, math.inf) and f > 0 for f in fs):
             raise ValueError(f"capacity_factors must be a tuple of numbers > 0, got "
                              f"{capacity_factors!r}")  # fmt: skip
-        if not _fraction(max_drop, 0, 1):
+        if not number_in(max_drop, 0, 1):
             raise ValueError(f"max_drop must be a number in [0, 1), got {max_drop!r}")
         self.capacity_factors, self.max_drop = tuple(sorted(fs)), max_drop
         self.threshold, self.budget, self.hardware, self.tuner = threshold, budget, hardware, tuner
@@ -162,6 +162,8 @@ class Replanner:
         self._hooks = []
         for i, m in enumerate(self.layers):
             m.record_routing = True
+            total = m.routing_total()  # the first window starts here (a device copy, no sync)
+            self._watch[i].last_E1 = total.detach().clone() if total is not None else None
             self._hooks.append(m.register_forward_pre_hook(self._before(i)))
             self._hooks.append(m.register_forward_hook(self._after(i)))
         for s in sorted(k for k in self.schedule if k <= start + 1):
@@ -176,7 +178,7 @@ class Replanner:
     # ---------------------------------------------------------------- hooks (per call, no sync)
     def _before(self, i: int):
         def hook(layer: MoELayer, args: tuple) -> None:
-            if not (layer.training and torch.is_grad_enabled()) or replaying():
+            if not layer.training or replaying():  # the calls the layer's tally counts
                 return
             w, x = self._watch[i], args[0]
             w.calls += 1
@@ -266,7 +268,7 @@ class Replanner:
         gathered; a switch runs from step + 1. Collective over each layer's group: call it on
         every rank with the same layers (tests and replays hand it scripted pictures)."""
         groups: dict[int, list[int]] = {}
-        for i in sorted(pictures):
+        for i in sorted(i for i in pictures if self.layers[i].running is not None):
             groups.setdefault(id(self.layers[i].topology.group), []).append(i)
         for idx in groups.values():
             self._decide(step, idx, [pictures[i] for i in idx])
@@ -333,6 +335,10 @@ class Replanner:
     def _decide(self, step: int, idx: list[int], pictures: list[Picture | None]) -> None:
         """Steps 2-3: rank 0 prices, every rank applies the same verdicts."""
         topo = self.layers[idx[0]].topology
+        if all(p is None for p in pictures):  # no calls in the window (the same on every rank)
+            for i in idx:
+                self._watch[i].pending = None
+            return
         hw = self._hardware(idx[0], pictures)
         verdicts = from_rank0(lambda: [self._verdict(i, p, hw) for i, p in zip(idx, pictures)],
                               topo)  # fmt: skip
@@ -360,12 +366,7 @@ class Replanner:
         g = running.gate
         tokens = pic.priced_tokens(g.top_k, g.dropless)
         budget = self.budget or running.schedule.accuracy_budget
-        base = running
-        if self.capacity_factors and not g.dropless:  # opted in: f from the drop budget
-            fits = [f for f in self.capacity_factors if pic.dropped(f, g.top_k) <= self.max_drop]
-            f = fits[0] if fits else self.capacity_factors[-1]
-            gate = dataclasses.replace(g, capacity_factor=f)
-            base = dataclasses.replace(running, gate=gate) if f != g.capacity_factor else running
+        base = with_capacity(running, pic, self.capacity_factors, self.max_drop)
         v = plan_for(base, tokens, hw, budget, self._cache)
         if v is None or base is running:
             return v

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..config import MoEConfig
 from ..layer.moe import NEEDS_TUNER
 
-__all__ = ["Switch", "check_schedule", "positive_int", "schedule_of"]
+__all__ = ["Switch", "check_schedule", "number_in", "positive_int", "schedule_of"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ def schedule_of(history: list[Switch]) -> dict[int, dict[int, MoEConfig]]:
     for s in history:
         out.setdefault(s.step, {})[s.layer] = s.config
     return out
+
+
+def number_in(v: object, lo: float, hi: float) -> bool:
+    """Whether `v` is a number (not a bool) with lo <= v < hi."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and lo <= v < hi
 
 
 def positive_int(name: str, v: object) -> int:
