@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ScheduleConfig
+from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.train import loop
 from schemoe.tuning import replan
@@ -281,3 +281,64 @@ def test_train_with_replan_switches_a_slow_plan_and_logs_the_switch(tmp_path, ca
     assert [r["measured_gain"] is None for r in rows] == [True, False]  # made, then measured
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("replan:")]
     assert len(lines) == 1 and "from step 5 (was tutel r=8 naive none" in lines[0]
+
+
+# ------------------------------------------------------------------ the window
+def _calls(layer: MoELayer, n: int) -> None:
+    for _ in range(n):
+        y, aux = layer(torch.randn(TOKENS, M))
+        (y.sum() + aux).backward()
+
+
+def test_the_first_window_starts_when_the_replanner_is_attached():
+    layer = MoELayer(_config())
+    layer.record_routing = True  # as the metrics turn it on before the re-planner exists
+    _calls(layer, 2)
+    rp = Replanner(layer, every=3, hardware=TOY)
+    _calls(layer, 3)
+    rp.step(3)
+    pic = rp.pictures[0]
+    assert pic.calls_P == (3,) and sum(pic.counts_PE[0]) == 3 * TOKENS * 2  # k = 2 choices
+
+
+def test_taking_the_load_metrics_does_not_empty_the_replanners_window():
+    layer = MoELayer(_config())
+    rp = Replanner(layer, every=2, hardware=TOY)
+    _calls(layer, 1)
+    assert layer.take_load_metrics() is not None
+    _calls(layer, 1)
+    rp.step(2)
+    assert sum(rp.pictures[0].counts_PE[0]) == 2 * TOKENS * 2
+
+
+def test_eval_calls_are_not_in_the_window():
+    layer = MoELayer(_config())
+    rp = Replanner(layer, every=1, hardware=TOY)
+    _calls(layer, 1)
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(TOKENS, M))
+    rp.step(1)
+    assert rp.pictures[0].calls_P == (1,) and rp.pictures[0].tokens_P == (TOKENS,)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_watched_calls_make_no_host_sync_and_are_timed_at_the_decision_point():
+    cfg = dataclasses.replace(
+        _config("tutel", 2, f=1.25), parallel=ParallelConfig(uniform_tokens=True)
+    )
+    layer = MoELayer(cfg).cuda()
+    rp = Replanner(layer, every=2, hardware=TOY)
+    x = torch.randn(TOKENS, M, device="cuda", requires_grad=True)
+    layer(x)[0].sum().backward()  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rp.step(1)
+    rp.step(2)  # the decision point: events read, tally gathered
+    assert rp.pictures[0].calls_P == (2,) and rp._watch[0].before_s > 0

@@ -155,6 +155,7 @@ class Replanner:
         self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
         self.schedule = check_schedule(schedule, len(self.layers))
         self.history: list[Switch] = []
+        self.pictures: dict[int, Picture | None] = {}  # the last decision point's, by layer
         self.done = start
         self._watch = [_Watch() for _ in self.layers]
         self._records: dict[tuple, Hardware] = {}
@@ -258,6 +259,7 @@ class Replanner:
             for i, pic, med in zip(idx, pictures, medians):
                 measured += self._measure(i, med)
                 seen[i] = pic
+        self.pictures = seen
         if not self.schedule:
             self.decide(step, seen)
         return measured
