@@ -27,7 +27,9 @@ Decision points, after the steps s with s % every == 0 (every rank calls `step`)
      (`plan.from_rank0`), so every rank holds identical verdicts and applies the same rule.
   3. Switch (hysteresis): a layer switches, from step s + 1 on, when the same plan (other than
      the running one) has won with a predicted gain >= threshold at `confirm` consecutive
-     decision points (default 2); any other verdict restarts the count. With the opt-in
+     decision points (default 2); any other verdict restarts the count. Each expert-parallel
+     group decides from its own routing: a layer's replicas in other groups (expert data
+     parallelism) may run other plans. With the opt-in
      `capacity_factors`, a capacity-mode layer's f comes from a drop budget (`max_drop`) and a
      plan with another f is wanted whatever its gain (more f is slower), with the same count.
   4. Record: each switch is a `Switch` in `history`; at the next decision point its measured
