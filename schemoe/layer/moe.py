@@ -13,6 +13,7 @@ cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -114,9 +115,11 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
             self.expert_load = None
-        # Per-expert choices and kept choices since take_routing_stats (training calls, when on).
+        # Per-expert choices and kept choices since take_routing_stats (training calls, when on),
+        # and the same since the layer was built (never reset: a re-planner differences reads).
         self.record_routing = False
         self._routing_counts: torch.Tensor | None = None
+        self._routing_total: torch.Tensor | None = None
         # state_dict() holds this rank's experts only, under the layer's names: record which
         # slice, so loading it into another expert layout raises instead of mixing experts up.
         self._register_state_dict_hook(_record_expert_slice)
@@ -125,9 +128,9 @@ class MoELayer(nn.Module):
     # ---------------------------------------------------------------- configuration
     def configure(self, config: MoEConfig, costs: Any = None) -> None:
         """Run `config` from the next call on: its policy, r, algorithm and compressors (the
-        gate, experts and parallel layout must be this layer's). `costs`: the cost model policy
-        "search" orders tasks with (required there; anything `scheduling.search` accepts); the
-        same on every rank.
+        gate, experts and parallel layout must be this layer's; in capacity mode f may differ).
+        `costs`: the cost model policy "search" orders tasks with (required there; anything
+        `scheduling.search` accepts); the same on every rank.
 
         Plug-in names are checked here, not in the config, so late registrations work. Every
         rank must configure the same way (the schedules' transfers are collectives)."""
@@ -139,10 +142,15 @@ class MoELayer(nn.Module):
                 "schemoe.tuning.auto.AutoTuner"
             )
         fixed = ("gate", "experts", "parallel", "shared")
-        if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
+        f, own = config.gate.capacity_factor, self.config.gate.capacity_factor
+        # In capacity mode f may change too (a re-planner's opt-in); dropless stays dropless.
+        gate = dataclasses.replace(config.gate, capacity_factor=own) if f and own else config.gate
+        if gate != self.config.gate or any(
+            getattr(config, x) != getattr(self.config, x) for x in fixed[1:]
+        ):
             raise ValueError(
-                f"configure() may change schedule, collective and compression only, "
-                f"not {fixed}: got {config!r}"
+                f"configure() may change schedule, collective and compression only (and a "
+                f"capacity-mode f), not {fixed}: got {config!r}"
             )
         policy = POLICIES.get(config.schedule.policy)
         if config.schedule.policy == "search" and costs is None:
@@ -263,6 +271,7 @@ class MoELayer(nn.Module):
                 )
         if self.record_routing and count:
             self._routing_counts = tally(self._routing_counts, routing)
+            self._routing_total = tally(self._routing_total, routing)
         return x_TM, routing, aux
 
     def region(self, meta) -> Region:
@@ -309,6 +318,12 @@ class MoELayer(nn.Module):
         reset; None if none. Tallied on the device per call (no sync); one host sync here."""
         counts, self._routing_counts = self._routing_counts, None
         return None if counts is None else LoadMetrics.from_counts(counts.tolist())  # host sync
+
+    def routing_total(self) -> torch.Tensor | None:
+        """Choices per expert and kept choices of every training call while `record_routing`
+        since the layer was built: the device tally [E + 1] (no sync), never reset (readers
+        difference two reads, so `take_load_metrics` does not disturb them); None before one."""
+        return self._routing_total
 
     def take_routing_stats(self) -> dict[str, Any] | None:
         """take_load_metrics() as a dict ({"tokens", "load", "dropped", "overload"}) or None."""

@@ -30,7 +30,11 @@ def tally(counts_E1: torch.Tensor | None, routing: Routing) -> torch.Tensor:
     """`counts_E1` (None: zeros) plus this call's choices per expert and kept choices: long
     [E + 1] on the routing's device. No host sync."""
     E = routing.probs_TE.shape[1]
-    chosen_E = torch.bincount(routing.expert_TK.reshape(-1), minlength=E)
+    ids = routing.expert_TK.reshape(-1).long()
+    # scatter_add_, not bincount: CUDA's bincount sizes its output with a host sync (max().item()).
+    chosen_E = torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids)
+    )
     kept = (routing.slot_TK >= 0).sum().reshape(1)
     counts = torch.cat([chosen_E, kept])
     return counts if counts_E1 is None else counts_E1 + counts

@@ -108,12 +108,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="m: the batch cut into m micro-chunks pipelined through the blocks (1: off); auto: "
            "the stack's cost model chooses m before the model is built")  # fmt: skip
     m("--budget", choices=("lossless", "fp16", "lossy"),
-      help="auto: the compressors it may choose")  # fmt: skip
+      help="auto and --replan: the compressors they may choose")  # fmt: skip
     m("--trials", type=int,
       help="auto: timed calls per shortlisted candidate; 0: no timing, the cost model's first "
       "choice runs (--shortlist is then unused)")  # fmt: skip
     m("--shortlist", type=int,
       help="auto: candidates the model shortlists for timing (>= 1; see --trials 0)")  # fmt: skip
+    m("--replan", action="store_true",
+      help="re-plan each MoE layer from its live routing (schemoe.tuning.replan): every "
+      "--replan-every steps the cost model prices the busiest rank's volume and a plan (policy, "
+      "r, algorithm, compressor within --budget) predicted >= 5%% faster twice in a row is "
+      "switched to; each switch is a console line and a --log-file row")  # fmt: skip
+    m("--replan-every", type=int, help="--replan: steps between decision points")
     m("--algorithm", help=f"all-to-all algorithm: {', '.join(ALGORITHMS.names())}")
     m("--compressor",
       help=f"forward (activation) compressor: {', '.join(compression.COMPRESSORS.names())}")  # fmt: skip

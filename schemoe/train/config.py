@@ -74,7 +74,7 @@ INT_MIN = (("nproc", 1), ("steps", 1), ("batch", 1), ("grad_accum", 1), ("seq_le
            ("model_dim", 1), ("hidden_dim", 1), ("top_k", 1), ("chunks", 1), ("trials", 0),
            ("shortlist", 1), ("ranks_per_node", 1), ("save_every", 0), ("eval_every", 0),
            ("eval_seqs", 0), ("warmup", 0), ("stop_after", 0), ("log_every", 1), ("threads", 1),
-           ("corpus_bytes", 10_000), ("shared_experts", 0))  # fmt: skip
+           ("corpus_bytes", 10_000), ("shared_experts", 0), ("replan_every", 1))  # fmt: skip
 FLOAT_RANGE = (
     ("lr", 0.0, math.inf, True),
     ("min_lr_ratio", 0.0, 1.0, False),
@@ -179,6 +179,8 @@ class TrainConfig:
     budget: str = "lossless"
     trials: int = 5
     shortlist: int = 4
+    replan: bool = False
+    replan_every: int = 50
     algorithm: str = "naive"
     compressor: str = "none"
     compressor_backward: str = "none"
@@ -279,6 +281,8 @@ class TrainConfig:
             raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
         if (m == "auto" or m > 1) and self.shared_experts:  # the stack has no S task yet
             raise ValueError(f"--micro-chunks {m} cannot run --shared-experts yet; use 1")
+        if (m == "auto" or m > 1) and self.replan:  # its calls bypass the layers' forward hooks
+            raise ValueError(f"--micro-chunks {m} cannot run --replan yet; use 1")
         if (m == "auto" or m > 1) and self.activation_checkpointing:  # the stack runs its own
             raise ValueError(f"--micro-chunks {m} cannot run --activation-checkpointing yet; use 1")
         for n, lo, hi, strict in FLOAT_RANGE:

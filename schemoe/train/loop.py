@@ -49,8 +49,8 @@ from ..dist.lifeline import Stopped, stop_deferred
 from .args import parse_args
 from .config import TrainConfig
 from .model import evaluate, load_corpus
-from .report import finite_or_none, plot
-from .setup import PARTS, Run, restore, setup
+from .report import finite_or_none, plot, replan_line
+from .setup import PARTS, Run, replanner, restore, setup
 from .step import StepRecord, train_step
 
 # Skipped steps (non-finite loss or gradient norm) in a row that stop the run: one can be a
@@ -109,6 +109,7 @@ def train(rank: int, world: int, cfg: TrainConfig | argparse.Namespace) -> dict:
     run = setup(rank, world, cfg)
     restore(run)
     settle_buckets(run)
+    run.replanner = replanner(run)
     checker = failures.FiniteChecker(run.core) if cfg.check_finite else None
     try:
         _loop(run, checker)
@@ -191,6 +192,11 @@ def _loop(run: Run, checker: failures.FiniteChecker | None) -> None:
         for k, v in zip(PARTS, (rec.forward_s, rec.backward_s, rec.optimizer_s)):
             run.parts[k].append(v)
         _log(run, step, rec)
+        for switch in run.replanner.step(step) if run.replanner else ():  # --replan
+            if run.metrics:
+                run.metrics.replan(step, switch)
+            if run.rank == 0 and switch.step == step + 1:  # a new switch, not a measurement
+                run.bar.print(replan_line(switch))
         in_a_row = in_a_row + 1 if rec.skipped else 0
         if in_a_row == MAX_SKIPPED:
             _diverged(run, step, in_a_row)
@@ -326,6 +332,7 @@ def _summary(run: Run) -> dict:
         },
         "micro_chunks_auto": run.auto_micro,  # --micro-chunks auto: {"chosen", "predicted_ms"}
         "moe_layers": [m.running.summary() for m in run.moe],  # what runs ("auto": its choice)
+        "replans": [s.as_dict() for s in run.replanner.history] if run.replanner else None,
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},
         "losses": losses,
         "evals": evals,

@@ -10,9 +10,10 @@ import time
 
 from ..layer.metrics import load_summary
 from ..layer.moe import MoELayer
+from ..tuning.replan import Switch
 from .config import TrainConfig
 
-__all__ = ["Metrics", "Progress", "finite_or_none", "plot"]
+__all__ = ["Metrics", "Progress", "finite_or_none", "plot", "replan_line"]
 
 
 class Progress:
@@ -89,11 +90,32 @@ class Metrics:
                     self.tb.add_scalar(f"moe{i}/overload", r.overload, step)
         return load_summary(per_layer) if line else ""
 
+    def replan(self, step: int, switch: Switch) -> None:
+        """A --replan row after step `step`: {"step", "replan": the switch (`Switch.as_dict()`:
+        from which step, layer, old and new plan, predicted gain, measured gain or null)}. A
+        switch is written when made and again when its gain is measured."""
+        if self.file:
+            row = {"step": step, "replan": switch.as_dict()}
+            self.file.write(json.dumps(finite_or_none(row)) + "\n")
+            self.file.flush()
+
     def close(self) -> None:
         if self.file:
             self.file.close()
         if self.tb:
             self.tb.close()
+
+
+def replan_line(switch: Switch) -> str:
+    """The console line of a --replan switch (a `schemoe.tuning.replan.Switch`)."""
+
+    def plan(d: dict) -> str:
+        return f"{d.get('policy')} r={d.get('chunks')} {d.get('algorithm')} {d.get('compression')}"
+
+    gain = switch.predicted_gain
+    shown = "forced" if gain is None else f"predicted {100 * gain:.1f}% faster"
+    return (f"replan: MoE layer {switch.layer} runs {plan(switch.new)} from step {switch.step} "
+            f"(was {plan(switch.old)}; {shown})")  # fmt: skip
 
 
 def plot(losses: list[float], evals: list[list[float]], path: str) -> None:

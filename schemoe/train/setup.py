@@ -20,12 +20,13 @@ from ..layer.parallel import ExpertParallel, ddp_ignore_experts, init_expert_par
 from ..step.gradsync import data_parallel
 from ..tuning.auto import AutoTuner
 from ..tuning.micro import choose_micro_chunks
+from ..tuning.replan import Replanner
 from .checks import HELD_OUT
 from .config import TrainConfig
 from .model import GPT, GPTConfig, batch, eval_windows, load_corpus
 from .report import Metrics, Progress
 
-__all__ = ["PARTS", "Run", "optimizer", "restore", "setup"]
+__all__ = ["PARTS", "Run", "optimizer", "replanner", "restore", "setup"]
 
 PARTS = ("forward", "backward", "optimizer")
 
@@ -77,6 +78,8 @@ class Run:
     moe: list[MoELayer]
     metrics: Metrics | None
     auto_micro: dict | None
+    tuner: AutoTuner
+    replanner: Replanner | None = None
     losses: list[float] = field(default_factory=list)
     evals: list[list] = field(default_factory=list)
     start: int = 0
@@ -146,11 +149,21 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     g = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
     moe = [x for x in core.modules() if isinstance(x, MoELayer)]
     metrics = Metrics(cfg, moe) if rank == 0 else None
-    AutoTuner(core)  # resolves layers with policy "auto" / "search" on their first calls
+    tuner = AutoTuner(core)  # resolves layers with policy "auto" / "search" on their first calls
     windows = eval_windows(data[split:], cfg.eval_seqs, cfg.seq_len, rank, world)
     return Run(cfg=cfg, rank=rank, world=world, dev=dev, ep=ep, core=core, model=model,
                 opt=opt, g=g, train_data=data[:split], windows=windows, moe=moe,
-                metrics=metrics, auto_micro=auto)  # fmt: skip
+                metrics=metrics, auto_micro=auto, tuner=tuner)  # fmt: skip
+
+
+def replanner(run: Run) -> Replanner | None:
+    """--replan: the Replanner of the run's MoE layers (after --resume's step and the bucket
+    settling, whose routing it does not count), waiting for the AutoTuner; else None."""
+    cfg = run.cfg
+    if not cfg.replan:
+        return None
+    return Replanner(run.core, every=cfg.replan_every, budget=cfg.budget, start=run.start,
+                     tuner=run.tuner)  # fmt: skip
 
 
 def restore(run: Run) -> None:

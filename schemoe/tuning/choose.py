@@ -37,6 +37,7 @@ __all__ = [
     "AUTO_CHUNKS",
     "AUTO_SKIPS",
     "BUDGETS",
+    "as_config",
     "candidates",
     "choose",
     "choose_shortlist",
@@ -166,7 +167,9 @@ def shortlist(preds: list[Prediction], n: int) -> list[Prediction]:
     return sorted(picked, key=lambda p: p.step_s)[:n]
 
 
-def _as_config(moe_config: MoEConfig, p: Prediction) -> MoEConfig:
+def as_config(moe_config: MoEConfig, p: Prediction) -> MoEConfig:
+    """`moe_config` running prediction `p`'s policy, r, algorithm and compressors (gate, experts,
+    parallel layout, shared experts and compressor options kept)."""
     return dataclasses.replace(
         moe_config,
         schedule=ScheduleConfig(policy=p.policy, chunks=p.chunks),
@@ -225,4 +228,4 @@ def choose_shortlist(
         _DECISIONS[key] = picks
     # Built per call: the cached picks go on this layer's own config (two layers of one shape may
     # differ in what the shape leaves out, e.g. the shared experts' placement, the router noise).
-    return [_as_config(moe_config, p) for p in _DECISIONS[key]]
+    return [as_config(moe_config, p) for p in _DECISIONS[key]]
