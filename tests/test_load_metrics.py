@@ -46,7 +46,6 @@ def test_a_layer_sums_its_calls_load_until_taken_then_resets():
     assert m.tokens == (10, 4, 2, 0) and m.kept == 10  # 2 calls x (2 + 2 + 1 + 0)
     assert m.dropped == pytest.approx(6 / 16) and m.overload == 2.5  # 10 / (16 / 4)
     assert layer.take_load_metrics() is None
-    assert layer.take_routing_stats() is None
 
 
 def test_dropless_routing_drops_nothing_and_eval_calls_are_not_counted():
@@ -54,7 +53,7 @@ def test_dropless_routing_drops_nothing_and_eval_calls_are_not_counted():
     layer.record_routing = True
     layer(_x())
     layer.eval()(_x())
-    stats = layer.take_routing_stats()
+    stats = layer.take_load_metrics().as_dict()
     assert stats == {"tokens": [5, 2, 1, 0], "load": [5 / 8, 2 / 8, 1 / 8, 0.0], "dropped": 0.0,
                      "overload": 2.5}  # fmt: skip
 

@@ -65,9 +65,9 @@ def test_routing_stats_count_the_choices_dropped_past_capacity():
     layer = MoELayer(cfg, seed=0)
     layer.record_routing = True
     layer(torch.randn(16, 8))  # C = ceil(0.25 * 16 / 4) = 1 slot per expert: 4 of 16 kept
-    stats = layer.take_routing_stats()
+    stats = layer.take_load_metrics().as_dict()
     assert stats["dropped"] == pytest.approx(1 - 4 / 16)
-    assert layer.take_routing_stats() is None  # reset
+    assert layer.take_load_metrics() is None  # reset
 
 
 @pytest.fixture(scope="module")

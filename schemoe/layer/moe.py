@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import collectives, compression
 from ..config import MoEConfig
@@ -32,6 +31,7 @@ from ..routing.layout import decode, encode
 from ..routing.losses import update_balance_bias
 from ..scheduling import POLICIES, Direction, Schedule, TaskGraph
 from ..scheduling.background import Background
+from .ddp_guard import refuse_ddp_managed_experts
 from .dispatcher import TokenDispatcher
 from .opaque import expert_parallel
 from .recompute import replaying
@@ -115,11 +115,12 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
             self.expert_load = None
-        # Per-expert choices and kept choices since take_routing_stats (training calls, when on),
-        # and the same since the layer was built (never reset: a re-planner differences reads).
+        # routing_total: choices per expert and kept choices [E + 1] on the device of every
+        # training call while `record_routing`, since the layer was built (None before one).
+        # Never reset: readers (take_load_metrics, the re-planner) difference two reads.
         self.record_routing = False
-        self._routing_counts: torch.Tensor | None = None
-        self._routing_total: torch.Tensor | None = None
+        self.routing_total: torch.Tensor | None = None
+        self._routing_taken: torch.Tensor | None = None
         # state_dict() holds this rank's experts only, under the layer's names: record which
         # slice, so loading it into another expert layout raises instead of mixing experts up.
         self._register_state_dict_hook(_record_expert_slice)
@@ -204,30 +205,6 @@ class MoELayer(nn.Module):
                 "yet: attach a tuner (schemoe.tuning.auto.AutoTuner(model)) before the first call"
             )
 
-    def _check_ddp(self) -> None:
-        """Refuse a DistributedDataParallel that manages this layer's sharded experts: at its
-        construction it copied rank 0's experts over every rank's, and it would average the
-        gradients of different experts. Checked once per DDP wrapper (torch names the DDP
-        module running a forward through a classmethod it keeps for its compiler)."""
-        active = getattr(DDP, "_get_active_ddp_module", None)
-        ddp = active() if active is not None else None
-        if ddp is None or self.topology.world == 1 or id(ddp) in self._ddp_checked:
-            return
-        self._ddp_checked.add(id(ddp))
-        ours = {id(p) for p in self.experts.parameters()}
-        managed = [
-            n
-            for n, p in ddp.module.named_parameters()
-            if id(p) in ours and n not in ddp.parameters_to_ignore
-        ]
-        if managed:
-            raise RuntimeError(
-                f"DistributedDataParallel manages this MoE layer's expert parameters "
-                f"({managed[0]!r}, ...): it broadcast rank 0's experts over the others' and "
-                "would average different experts' gradients. Wrap the model as "
-                "DDP(schemoe.ddp_ignore_experts(model))"
-            )
-
     def dispatch(self, x: torch.Tensor, *, balance: bool = True):
         """Steps 1-2 of forward: route x ([T, M] or [B, L, M]) and encode it into this rank's
         dispatch buffer. Returns (rows [N, M], DispatchMeta, aux loss). Collective unless the
@@ -244,7 +221,7 @@ class MoELayer(nn.Module):
     def _route(self, x: torch.Tensor, balance: bool = True):
         """Step 1: (x_TM, Routing, aux loss) of x, after the input checks."""
         self._check(x)
-        self._check_ddp()
+        refuse_ddp_managed_experts(self.experts, self.topology.world, self._ddp_checked)
         cfg = self._running
         x_TM = x.reshape(-1, cfg.experts.model_dim)
         # 1. Route (fp32) and the router losses of this rank's tokens.
@@ -270,8 +247,7 @@ class MoELayer(nn.Module):
                     routing.expert_TK.reshape(-1), minlength=cfg.gate.num_experts
                 )
         if self.record_routing and count:
-            self._routing_counts = tally(self._routing_counts, routing)
-            self._routing_total = tally(self._routing_total, routing)
+            self.routing_total = tally(self.routing_total, routing)  # a new tensor per call
         return x_TM, routing, aux
 
     def region(self, meta) -> Region:
@@ -316,19 +292,12 @@ class MoELayer(nn.Module):
     def take_load_metrics(self) -> LoadMetrics | None:
         """This rank's load since the last take (training calls while `record_routing`), then
         reset; None if none. Tallied on the device per call (no sync); one host sync here."""
-        counts, self._routing_counts = self._routing_counts, None
-        return None if counts is None else LoadMetrics.from_counts(counts.tolist())  # host sync
-
-    def routing_total(self) -> torch.Tensor | None:
-        """Choices per expert and kept choices of every training call while `record_routing`
-        since the layer was built: the device tally [E + 1] (no sync), never reset (readers
-        difference two reads, so `take_load_metrics` does not disturb them); None before one."""
-        return self._routing_total
-
-    def take_routing_stats(self) -> dict[str, Any] | None:
-        """take_load_metrics() as a dict ({"tokens", "load", "dropped", "overload"}) or None."""
-        m = self.take_load_metrics()
-        return None if m is None else m.as_dict()
+        total, taken = self.routing_total, self._routing_taken
+        if total is None or total is taken:
+            return None
+        self._routing_taken = total
+        counts = total if taken is None else total - taken
+        return LoadMetrics.from_counts(counts.tolist())  # host sync
 
     # ---------------------------------------------------------------- state
     def _check_expert_slice(self, state_dict, prefix, local_metadata, *_) -> None:

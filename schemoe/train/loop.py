@@ -158,7 +158,7 @@ def settle_buckets(run: Run) -> None:
     for m in run.moe:
         if m.expert_load is not None:
             m.expert_load.zero_()
-        m.take_routing_stats()
+        m.take_load_metrics()
     torch.set_rng_state(cpu)
     if gpu is not None:
         torch.cuda.set_rng_state(gpu, run.dev)

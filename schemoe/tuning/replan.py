@@ -9,7 +9,7 @@
     forced = Replanner(model, schedule=schedule_of(replanner.history))   # the same plans, forced
 
 What it watches (no host sync per call): each layer tallies its training calls' choices per
-expert on the device (`MoELayer.record_routing`, read through `routing_total()`, which metrics'
+expert on the device (`MoELayer.record_routing`, read through `routing_total`, which metrics'
 `take_load_metrics` does not reset); forward hooks count the calls and their tokens (shapes:
 host values) and time each forward call (CPU: `time.perf_counter`; CUDA: a pair of events,
 read at the decision point). Backward is not in the sample, nor the first call after a switch
@@ -165,7 +165,7 @@ class Replanner:
         self._hooks = []
         for i, m in enumerate(self.layers):
             m.record_routing = True
-            total = m.routing_total()  # the first window starts here (a device copy, no sync)
+            total = m.routing_total  # the first window starts here (a device copy, no sync)
             self._watch[i].last_E1 = total.detach().clone() if total is not None else None
             self._hooks.append(m.register_forward_pre_hook(self._before(i)))
             self._hooks.append(m.register_forward_hook(self._after(i)))
@@ -284,7 +284,7 @@ class Replanner:
         rows, extras = [], []
         for i in idx:
             m, w = self.layers[i], self._watch[i]
-            total = m.routing_total()
+            total = m.routing_total
             now = total.detach().clone() if total is not None else None
             if now is None:
                 rows.append(torch.zeros(m.config.gate.num_experts, dtype=torch.float64, device=dev))
