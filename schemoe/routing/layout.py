@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .rowmap import gather_sum, scatter_rows
 from .router import Routing
+from .rowmap import gather_sum, scatter_rows
 
 __all__ = ["Chunk", "Partition", "build_plan", "decode", "encode"]
 
