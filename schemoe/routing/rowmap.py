@@ -25,16 +25,19 @@ import torch
 __all__ = ["gather_sum", "scatter_rows"]
 
 
-def _gather(rows_NM, slot_TK, w_TK, kept_TK, acc, gw_TK=None, other_TM=None):
-    """y [T, M] in `acc`: sum_j w[:, j] rows[slot[:, j]]; also, where gw_TK is given, fills
-    gw_TK[:, j] = <rows[slot[:, j]], other[t]> (the weights' gradient), before weighting."""
+def _gather(rows_NM, slot_TK, w_TK, kept_TK, acc, gw_TK=None, other_TM=None, sum_=True):
+    """y [T, M] in `acc`: sum_j w[:, j] rows[slot[:, j]] (None where not `sum_`); also, where
+    gw_TK is given, fills gw_TK[:, j] = <rows[slot[:, j]], other[t]> (the weights' gradient)."""
     y_TM = None
     for j in range(slot_TK.shape[1]):
         r_TM = rows_NM.index_select(0, slot_TK[:, j]).to(acc)  # a fresh tensor: in place below
         if kept_TK is not None:
             r_TM.masked_fill_(~kept_TK[:, j, None], 0)
         if gw_TK is not None:
-            gw_TK[:, j] = (r_TM * other_TM).sum(-1)
+            # r times other in place where r is not summed after: no [T, M] temporary.
+            gw_TK[:, j] = (r_TM.mul_(other_TM) if not sum_ else r_TM * other_TM).sum(-1)
+        if not sum_:
+            continue
         if w_TK is not None:
             r_TM.mul_(w_TK[:, j, None])
         y_TM = r_TM if y_TM is None else y_TM.add_(r_TM)
@@ -88,7 +91,7 @@ class _Gather(torch.autograd.Function):
         if w_TK is not None and ctx.needs_input_grad[1]:
             # <g[t], rows[slot[t, j]]>, as the product's backward in fp32; dropped choices 0.
             gw_TK = torch.empty_like(w_TK)
-            _gather(rows_NM, slot_TK, None, kept_TK, torch.float32, gw_TK, g_TM)
+            _gather(rows_NM, slot_TK, None, kept_TK, torch.float32, gw_TK, g_TM, sum_=False)
         k = slot_TK.shape[1]
         w_N = _row_weights(w_TK, choice_N)
         g_NM = _scatter(g_TM, choice_N // k, w_N, filled_N, rows_NM.dtype)
