@@ -2,20 +2,20 @@
 
 Legend: T tokens, M model dim, k choices, N buffer rows.
 
-    scatter:  rows[n] = w_N[n] * x[token_N[n]]                (unfilled rows: 0)
-    gather:   y[t]    = sum_j w_TK[t, j] * rows[slot_TK[t, j]]  (dropped choices: 0), j in order
+    scatter:  rows[n] = w_N[n] * x[token_N[n]]                  (unfilled rows: 0)
+    gather:   y[t]    = sum_j w_TK[t, j] * rows[slot_TK[t, j]]  (dropped choices: 0)
 
 The backward of one is the other (plus the weights' gradient, a row-wise dot product), so neither
-direction runs a scatter-add into a zeroed [N, M] buffer or a [T, k] one-hot: every op is a row
-gather (index_select) of [T, M] or [N, M] rows and elementwise work in place on its result.
+direction zero-fills an [N, M] buffer to scatter-add into it: every op is a row gather
+(index_select) of [T, M] or [N, M] rows, then elementwise work in place on its fresh result.
 
-The gather sums the k choices one at a time, j = 0 first, each a [T, M] gather (no [N, M]
-intermediate), in the order the former index_add summed them, so its result is bitwise the same.
+The gather sums the k choices left to right, y = (w_0 r_0 + w_1 r_1) + ..., each r_j a [T, M]
+gather (no [N, M] intermediate): one fixed order on every device (no atomics), deterministic.
 Masks are None where nothing is dropped or unfilled (dropless routing): no masking pass then.
 Dropped choices and unfilled rows give exact zeros (masked_fill, so a non-finite row never leaks).
 
-`acc` is the gather's accumulation dtype (fp32 in decode; the input's dtype in encode's
-backward, as autograd of the encode's index_select would sum).
+`acc` is the gather's accumulation dtype: fp32 in decode; in encode's backward the gradient's
+dtype (x's), the dtype autograd sums x's gradient in.
 """
 
 from __future__ import annotations
