@@ -51,7 +51,9 @@ class Routing:
     # Rows per expert in the dispatch buffer (E entries) on the host; None in dropless mode until
     # the dispatcher reads `counts_E` (once, with the exchanged counts; dataclasses.replace).
     counts: tuple[int, ...] | None
-    counts_E: torch.Tensor | None = None  # long [E] on the device, dropless mode only
+    # long [E] on the device, dropless mode only; set means every choice is kept (layout.py
+    # relies on it: slot_TK is then a permutation of the T k rows, no masks)
+    counts_E: torch.Tensor | None = None
     weights_on_input: bool = False  # scale each choice's input by its weight, not its output
 
     @property
