@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,3 +101,81 @@ def test_decode_sums_each_tokens_rows_with_its_weights_in_its_dtype():
     y = decode(rows, _routing(), torch.float64)
     assert y.dtype == torch.float64
     assert y.tolist() == [[0.75, 1.0], [2.0, 2.0], [4.0, 4.0]]
+
+
+def _dropless() -> Routing:
+    # T = 3, k = 2, E = 2, every choice kept. Choice-major priority: e0 takes token 1 (first
+    # choice), then tokens 0 and 2 (second choices): rows 0-2; e1 takes tokens 0 and 2, then 1:
+    # rows 3-5.
+    slot = torch.tensor([[3, 1], [0, 5], [4, 2]])
+    weight = torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.125, 0.875]])
+    expert = torch.tensor([[1, 0], [0, 1], [1, 0]])
+    z = torch.zeros(3, 2)
+    return Routing(z, z, expert, weight, slot, None, counts_E=torch.tensor([3, 3]))
+
+
+def test_a_dropless_encode_fills_every_row_with_its_choices_token():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    rows = encode(x, _dropless())
+    assert rows.tolist() == [[3.0, 4.0], [1.0, 2.0], [5.0, 6.0], [1.0, 2.0], [5.0, 6.0], [3.0, 4.0]]
+
+
+def test_a_dropless_decode_sums_each_tokens_rows_with_its_weights():
+    rows = torch.tensor([[1.0, 0.0], [2.0, 2.0], [0.0, 4.0], [8.0, 8.0], [4.0, 0.0], [0.0, 8.0]])
+    y = decode(rows, _dropless(), torch.float32)
+    assert y.tolist() == [[6.5, 6.5], [0.5, 4.0], [0.5, 3.5]]
+
+
+def _naive(x_TM, w_TK, r: Routing, on_input: bool):
+    """encode, a fixed affine 'expert', decode: one (token, choice) at a time."""
+    T, k = r.slot_TK.shape
+    rows = [x_TM.new_zeros(x_TM.shape[1]) for _ in range(r.rows)]
+    for t in range(T):
+        for j in range(k):
+            if r.slot_TK[t, j] >= 0:
+                rows[r.slot_TK[t, j]] = x_TM[t] * w_TK[t, j] if on_input else x_TM[t]
+    out = torch.stack(rows) * 1.5 + 0.25
+    y = [x_TM.new_zeros(x_TM.shape[1]) for _ in range(T)]
+    for t in range(T):
+        for j in range(k):
+            if r.slot_TK[t, j] >= 0:
+                y[t] = y[t] + (
+                    out[r.slot_TK[t, j]] if on_input else out[r.slot_TK[t, j]] * w_TK[t, j]
+                )
+    return torch.stack(y)
+
+
+@pytest.mark.parametrize("on_input", [False, True], ids=["weights-on-output", "weights-on-input"])
+@pytest.mark.parametrize("make", [_routing, _dropless], ids=["capacity", "dropless"])
+def test_encode_and_decode_gradients_match_the_choice_by_choice_formula(make, on_input):
+    r0 = make()
+    x = torch.randn(3, 2, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(3, 2, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fast in (True, False):
+        xx = x.clone().requires_grad_()
+        w = r0.weight_TK.clone().requires_grad_()
+        r = dataclasses.replace(r0, weight_TK=w, weights_on_input=on_input)
+        y = (
+            decode(encode(xx, r) * 1.5 + 0.25, r, torch.float32)
+            if fast
+            else _naive(xx, w, r, on_input)
+        )
+        grads.append((y, *torch.autograd.grad(y, [xx, w], g)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_unfilled_rows_infinity_reaches_neither_the_output_nor_a_gradient():
+    # Row 3 is filled by no choice (token 2's choices are both dropped).
+    slot = torch.tensor([[0, 2], [1, -1], [-1, -1]])
+    weight = torch.tensor([[0.75, 0.25], [1.0, 0.0], [0.0, 0.0]], requires_grad=True)
+    z = torch.zeros(3, 2)
+    r = Routing(z, z, torch.zeros(3, 2, dtype=torch.long), weight, slot, (2, 2))
+    rows = torch.tensor(
+        [[1.0, 0.0], [2.0, 2.0], [0.0, 4.0], [float("inf"), 1.0]], requires_grad=True
+    )
+    y = decode(rows, r, torch.float32)
+    g_rows, g_w = torch.autograd.grad(y.sum(), [rows, weight])
+    assert y.tolist() == [[0.75, 1.0], [2.0, 2.0], [0.0, 0.0]]
+    assert g_rows[3].tolist() == [0.0, 0.0] and torch.isfinite(g_w).all()

@@ -7,8 +7,8 @@ El = E / P local experts, r chunks.
     encode: x [T, M] -> rows [N, M]   row slot_TK[t, j] holds x[t]; unfilled rows are zero
     decode: rows [N, M] -> y [T, M]   y[t] = sum_j weight_TK[t, j] * rows[slot_TK[t, j]]
 
-Both are gathers/scatters (index_copy / index_select / index_add), never a [T, E, C] one-hot
-einsum, and both are differentiable in x, rows and the weights.
+Both are row gathers (rowmap.py), never a [T, E, C] one-hot einsum, each the other's backward,
+and both are differentiable in x, rows and the weights.
 
 Chunk plans (`build_plan`): the dispatch buffer of a rank is expert-major (expert e owns rows
 [off_e, off_e + n_e)), and the experts of rank d are e in [d*El, (d+1)*El), so rows for lower
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .router import Routing
+from .rowmap import gather_sum, scatter_rows
 
 __all__ = ["Chunk", "Partition", "build_plan", "decode", "encode"]
 
@@ -46,46 +47,45 @@ class Partition(str, enum.Enum):
         return self.value
 
 
-def _choices(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token index, buffer row, weight, kept) of every choice, in choice-major order [k T].
+def _index(routing: Routing):
+    """(slot_TK, kept_TK, choice_N, filled_N), the arguments of the row ops (rowmap.py).
 
+    slot_TK: every choice's row (dropped: 0, masked). choice_N: the flat choice t k + j that fills
+    buffer row n (unfilled: 0, masked). Dropless routing (`counts_E` set) keeps every choice and
+    fills every row (slot is a permutation of [0, T k)): both masks are None, nothing is masked.
     Dropped choices are not filtered out (that would be a data-dependent shape, a graph break
-    under torch.compile): encode sends them to a spare row past the buffer, decode masks them."""
-    slot = routing.slot_TK.t().reshape(-1)
-    T, k = routing.slot_TK.shape
-    token = torch.arange(T, device=slot.device).repeat(k)
-    weight = routing.weight_TK.t().reshape(-1)
-    return token, slot, weight, slot >= 0
+    under torch.compile): they scatter their choice index to a spare row past the buffer."""
+    slot_TK = routing.slot_TK
+    T, k = slot_TK.shape
+    N = routing.rows
+    choice_C = torch.arange(T * k, device=slot_TK.device)
+    if routing.counts_E is not None:
+        choice_N = torch.empty_like(choice_C).scatter_(0, slot_TK.reshape(-1), choice_C)
+        return slot_TK, None, choice_N, None
+    kept_TK = slot_TK >= 0
+    dest_C = torch.where(kept_TK, slot_TK, N).reshape(-1)  # row N: where dropped choices go
+    choice_N = slot_TK.new_zeros(N + 1).scatter_(0, dest_C, choice_C)[:N]
+    filled_N = torch.zeros(N + 1, dtype=torch.bool, device=slot_TK.device)
+    filled_N = filled_N.scatter_(0, dest_C, True)[:N]
+    return slot_TK.clamp(min=0), kept_TK, choice_N, filled_N
 
 
 def encode(x_TM: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Scatter tokens into the dispatch buffer [N, M] (each scaled by its choice's weight when
-    the routing puts the weights on the experts' inputs)."""
-    token, slot, weight, kept = _choices(routing)
-    N = routing.rows
-    picked = x_TM.index_select(0, token)
-    if routing.weights_on_input:
-        picked = picked * weight[:, None].to(picked.dtype)
-    rows = x_TM.new_zeros((N + 1, x_TM.shape[1]))  # row N: where dropped choices land
-    rows = rows.index_copy(0, torch.where(kept, slot, N), picked)
-    return rows[:N]
+    the routing puts the weights on the experts' inputs, in x's dtype). One row gather; its
+    backward is decode's gather (no weights: a plain k-way sum), in x's dtype."""
+    w_TK = routing.weight_TK.to(x_TM.dtype) if routing.weights_on_input else None
+    return scatter_rows(x_TM, w_TK, *_index(routing))
 
 
 def decode(rows_NM: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum of each token's expert outputs, accumulated in fp32, returned as `dtype`.
 
-    On CPU index_add_ accumulates in a fixed order, so decode is deterministic there; on CUDA it
-    uses atomics and the k-way sum order can vary between runs (not yet run on CUDA). A dropped
-    choice adds an exact zero (masked, so a non-finite row cannot leak into it).
-    """
-    token, slot, weight, kept = _choices(routing)
-    T = routing.slot_TK.shape[0]
-    picked = rows_NM.index_select(0, slot.clamp(min=0)).float()
-    if not routing.weights_on_input:  # else encode applied the weights
-        picked = picked * weight[:, None]
-    picked = torch.where(kept[:, None], picked, 0.0)
-    y = torch.zeros((T, rows_NM.shape[1]), device=rows_NM.device, dtype=torch.float32)
-    return y.index_add(0, token, picked).to(dtype)
+    The k choices are summed one at a time in choice order, on CPU and CUDA alike (no atomics):
+    deterministic. A dropped choice adds an exact zero (masked, so a non-finite row cannot leak
+    into it). The backward is encode's scatter of the weighted gradient (rowmap.py)."""
+    w_TK = None if routing.weights_on_input else routing.weight_TK  # else encode applied them
+    return gather_sum(rows_NM, w_TK, *_index(routing)).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,9 @@ class Routing:
     # Rows per expert in the dispatch buffer (E entries) on the host; None in dropless mode until
     # the dispatcher reads `counts_E` (once, with the exchanged counts; dataclasses.replace).
     counts: tuple[int, ...] | None
-    counts_E: torch.Tensor | None = None  # long [E] on the device, dropless mode only
+    # long [E] on the device, dropless mode only; set means every choice is kept (layout.py
+    # relies on it: slot_TK is then a permutation of the T k rows, no masks)
+    counts_E: torch.Tensor | None = None
     weights_on_input: bool = False  # scale each choice's input by its weight, not its output
 
     @property
@@ -135,8 +137,14 @@ def route(
         order_T = torch.arange(T, device=x_TM.device)
     expert_KT = expert_TK[order_T].t()  # [k, T] in priority order
     flat = expert_KT.reshape(-1)
-    onehot = torch.nn.functional.one_hot(flat, E)  # [k*T, E]; never [T, E, C]
-    pos_flat = (onehot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+    # A stable sort by expert keeps the priority order within each expert, so a choice's
+    # position is its rank in the sorted order minus its expert's first rank (no [k T, E]
+    # one-hot, whose cumsum grows with E; never [T, E, C]). searchsorted, not bincount: no sync.
+    order = torch.argsort(flat, stable=True)
+    sorted_flat = flat[order]
+    first_E1 = torch.searchsorted(sorted_flat, torch.arange(E + 1, device=flat.device))
+    pos_sorted = torch.arange(flat.numel(), device=flat.device) - first_E1[sorted_flat]
+    pos_flat = torch.empty_like(flat).scatter_(0, order, pos_sorted)
     pos_TK = torch.empty_like(expert_TK)
     pos_TK[order_T] = pos_flat.view(k, T).t()
 
@@ -144,7 +152,7 @@ def route(
     if cfg.dropless:
         # Every choice kept (N = T k rows); the counts and offsets stay on the device, so the
         # router reads nothing back: the dispatcher reads counts_E once, with the exchange.
-        counts, counts_E = None, onehot.sum(0)
+        counts, counts_E = None, first_E1.diff()
         offsets_E = counts_E.cumsum(0) - counts_E  # exclusive
         keep_TK = torch.ones_like(expert_TK, dtype=torch.bool)
     else:
