@@ -51,7 +51,9 @@ __all__ = [
     "add_columns",
     "busiest_bytes",
     "check_launched",
+    "count_rows",
     "counted",
+    "header_line",
     "link_bytes",
     "pass_options",
     "with_compute",
@@ -123,6 +125,37 @@ def add_columns(
         bound = max(compute, net or 0.0)
         row.update(compute_measured_ms=compute, network_measured_ms=net, measured_bound_ms=bound,
                    bound_ratio=row["median_ms"] / bound)  # fmt: skip
+
+
+def count_rows(args, env, rank: int, cands: dict, names: list[str]) -> list | None:
+    """--measured-bound on the testbed (a namespace per node): each row's sample wrapped to
+    count its node's eth0 bytes on local rank 0 (`counted`), the others' entries None;
+    None where nothing is counted (not the measured pass, loopback, rank namespaces)."""
+    bed = env.testbed
+    if not args.measured_bound or args.bound_pass or bed is None or bed.per_rank:
+        return None
+    if rank % env.ranks_per_node:
+        return [None] * len(names)
+    counts = []
+    for name in names:
+        cands[name], deltas = counted(cands[name], COUNTERS)
+        counts.append(deltas)
+    return counts
+
+
+def header_line(env, world: int, link_counted: bool) -> str:
+    """The header line that says what the measured columns are."""
+    line = (
+        f"# measured bound: compute = the same rows on unshaped loopback ({world} ranks, "
+        f"{env.ranks_per_node} per node), run first; network = "
+    )
+    if link_counted:
+        return line + (
+            f"the busiest node's eth0 bytes per step (tx or rx) / {env.testbed.rate_bps / 1e6:g} "
+            "Mbit/s; bound_ratio = median / max(compute, network)"
+        )
+    why = "rank namespaces: the node uplink is not counted" if env.testbed else "no shaped link"
+    return line + f"- ({why}); bound_ratio = median / compute"
 
 
 def check_launched(opts: Mapping[str, object]) -> None:

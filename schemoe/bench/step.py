@@ -326,7 +326,7 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
     for comp in dict.fromkeys(args.grad_compress):
         dtype = COMPRESS[comp] or torch.float32
         cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
-    counts = _counting(args, env, rank, cands, [r["_n"] for r in rows])
+    counts = bound.count_rows(args, env, rank, cands, [r["_n"] for r in rows])
     stats = measure(cands, warmup=args.warmup, repeats=args.repeats)
     medians = {r["_n"]: stats[r["_n"]].median_ms for r in rows}
     if args.bound_pass:  # the compute pass of --measured-bound: the launcher takes the medians
@@ -367,7 +367,7 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
         + ", ".join(f"{k} {v:.1f} ms" for k, v in nets.items())
     )
     if args.measured_bound:
-        head.append(_bound_line(env, world, counts is not None))
+        head.append(bound.header_line(env, world, counts is not None))
     summary = {
         "results": rows,
         "compute1_ms": compute1,
@@ -384,37 +384,6 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
         cols += ["compute_measured_ms", "network_measured_ms", "measured_bound_ms", "bound_ratio"]
     output.report(head, rows, cols, summary)
     return medians
-
-
-def _counting(args, env, rank: int, cands: dict, names: list[str]) -> list | None:
-    """--measured-bound on the testbed (a namespace per node): each row's sample wrapped to
-    count its node's eth0 bytes on local rank 0 (bound.counted), the others' entries None;
-    None where nothing is counted (not the measured pass, loopback, rank namespaces)."""
-    bed = env.testbed
-    if not args.measured_bound or args.bound_pass or bed is None or bed.per_rank:
-        return None
-    if rank % env.ranks_per_node:
-        return [None] * len(names)
-    counts = []
-    for name in names:
-        cands[name], deltas = bound.counted(cands[name])
-        counts.append(deltas)
-    return counts
-
-
-def _bound_line(env, world: int, counted: bool) -> str:
-    """The header line that says what the measured columns are."""
-    line = (
-        f"# measured bound: compute = the same rows on unshaped loopback ({world} ranks, "
-        f"{env.ranks_per_node} per node), run first; network = "
-    )
-    if counted:
-        return line + (
-            f"the busiest node's eth0 bytes per step (tx or rx) / {env.testbed.rate_bps / 1e6:g} "
-            "Mbit/s; bound_ratio = median / max(compute, network)"
-        )
-    why = "rank namespaces: the node uplink is not counted" if env.testbed else "no shaped link"
-    return line + f"- ({why}); bound_ratio = median / compute"
 
 
 def _peer_args(args) -> argparse.Namespace:
