@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from schemoe.bench import bound
+from schemoe.bench import bound, figures, regen, tables
 from schemoe.bench import cli as bench_cli
 from schemoe.bench.cli import BenchEnv
 from schemoe.testbed import netns
@@ -194,3 +194,37 @@ def test_measured_bound_refuses_a_tuned_policy(capfd):
     assert args.func(args) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--measured-bound with --policies auto" in err[0]
+
+
+def _row(policy: str, m: int, median: float, compute: float, net: float | None) -> dict:
+    bound_ms = max(compute, net or 0.0)
+    return {"policy": policy, "chunks": 1, "micro_chunks": m, "grad_sync": "ddp",
+            "grad_compress": "none", "grad_window": 1, "median_ms": median,
+            "compute_measured_ms": compute, "network_measured_ms": net,
+            "measured_bound_ms": bound_ms, "bound_ratio": median / bound_ms}  # fmt: skip
+
+
+def test_the_bound_table_shows_each_runs_baseline_best_rows_and_ratios():
+    run_2x2 = [_row("sequential", 1, 600.0, 400.0, 300.0), _row("schemoe", 1, 500.0, 400.0, 300.0),
+               _row("schemoe", 2, 550.0, 420.0, 300.0), _row("deepspeed", 1, 520.0, 380.0, 310.0)]  # fmt: skip
+    run_2x1 = [_row("sequential", 1, 300.0, 150.0, 200.0), _row("schemoe", 2, 190.0, 150.0, 200.0)]
+    texts = ["# header\n" + json.dumps({"results": r}) for r in (run_2x2, run_2x1)]
+    table = tables.step_bound(texts, names=("2x2", "2x1"))
+    assert [r[0] for r in table.rows] == [
+        "2x2 baseline", "2x2 best at m=1", "2x2 best at m=2", "2x2 DeepSpeed-MoE + DDP",
+        "2x1 baseline", "2x1 best at m=1", "2x1 best at m=2",
+    ]  # fmt: skip
+    assert table.rows[0][2:] == ["600.0", "400.0", "300.0", "1.50x"]
+    assert table.rows[-1][2:] == ["190.0", "150.0", "200.0", "0.95x"]
+    assert [(c.holds, c.value) for c in table.claims] == [(True, "1.25x"), (False, "0.95x")]
+
+
+def test_the_bound_figures_run_2x2_then_2x1_under_one_testbed_and_are_not_pasted_yet():
+    names = [f.name for f in figures.PENDING]
+    assert names == ["step_bound_600mbit_m256", "step_bound_200mbit_m256"]
+    assert not set(names) & {f.name for f in figures.FIGURES}
+    (fig,) = figures.by_name(["step_bound_200mbit_m256"])
+    lines = regen.commands(fig)
+    assert lines[0] == "schemoe testbed up --nodes 2 --rate 200mbit"
+    assert "--ranks-per-node 2" in lines[1] and "--ranks-per-node 1" in lines[2]
+    assert all("--measured-bound" in line for line in lines[1:3])

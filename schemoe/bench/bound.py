@@ -1,4 +1,4 @@
-"""`schemoe bench step --measured-bound`: each row's bound measured in the same invocation, next
+r"""`schemoe bench step --measured-bound`: each row's bound measured in the same invocation, next
 to the estimated one (bench/parts.py: `lower_bound_ms`), which it does not replace.
 
 - compute (`compute_measured_ms`): the same rows (same ranks, same --ranks-per-node split, same
@@ -23,17 +23,18 @@ Only a launcher this command controls can run the compute pass (--nproc, --testb
 started by an outside launcher are refused (`check_launched`). The two passes take about twice
 one pass's time; --timeout bounds each.
 
-The runs at issues 16/17's shape (M=256 H=512), on the testbed, as root:
+The runs at issues 16/17's shape (M=256 H=512), on the testbed, as root (`schemoe bench report
+--testbed --only step_bound_600mbit_m256,step_bound_200mbit_m256` runs the same: bench/figures.py):
 
     schemoe testbed up --nodes 2 --rate 600mbit
-    schemoe bench step --testbed --ranks-per-node 2 --model-dim 256 --hidden-dim 512 \
-        --policies sequential,schemoe --chunks 1,4 --micro-chunks 1,2 --grad-syncs ddp,scheduled \
-        --grad-compressors none,bf16 --grad-algorithm hier --peer deepspeed --repeats 5 \
-        --timeout 1500 --measured-bound > step_2x2_600mbit_m256_bound.txt
-    schemoe bench step --testbed --ranks-per-node 1 ... (the same flags) \
-        > step_2x1_600mbit_m256_bound.txt
+    schemoe bench step --testbed --ranks-per-node 2 --policies sequential,schemoe --chunks 1,4 \
+        --micro-chunks 1,2 --grad-syncs ddp,scheduled --grad-compressors none,bf16 \
+        --grad-algorithm hier --peer deepspeed --model-dim 256 --hidden-dim 512 --repeats 5 \
+        --timeout 1200 --measured-bound > step_bound_600mbit_m256_2x2.txt
+    schemoe bench step --testbed --ranks-per-node 1 ...(the same) > step_bound_600mbit_m256_2x1.txt
     schemoe testbed down
-    (and the same with --rate 200mbit, files *_200mbit_*)
+
+and the same with --rate 200mbit (files step_bound_200mbit_m256_2x2.txt, _2x1.txt).
 """
 
 from __future__ import annotations
