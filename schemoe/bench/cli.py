@@ -1,7 +1,7 @@
 """`schemoe bench a2a|layer|step|compress|report`, and where the ranks of a benchmark come from.
 
-A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env) -> None`
-(collective; it prints through `output.report`). Its ranks come from one of three places:
+A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env)`
+(collective; it prints through `output.report`; what it returns a spawned rank returns). Its ranks come from one of three places:
 
 - already launched (torchrun, Slurm, `schemoe testbed run -- schemoe.cli bench ...`): the launcher
   env (RANK, WORLD_SIZE, ...) is there, so this process is one rank and joins the group;
@@ -28,7 +28,7 @@ from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
 from ..train.checks import TRAIN_BYTES_PER_PARAM, check_chunk_rows, fits_in_memory, moe_layer_params
-from . import a2a, compress, layer, output, regen, step
+from . import a2a, bound, compress, layer, output, regen, step
 
 __all__ = ["BenchEnv", "register"]
 
@@ -103,7 +103,7 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="give up after S seconds")
 
 
-def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) -> None:
+def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) -> object:
     """One rank of benchmark `name` (also the entry point of testbed and spawned children)."""
     import torch
 
@@ -129,7 +129,7 @@ def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) 
     env = BenchEnv(rpn, testbed, launched)
     if launched:  # no parent process checked this world: every rank does, alike
         _check_world(name, args, env, world)
-    _MULTI_RANK[name].bench(args, env)
+    return _MULTI_RANK[name].bench(args, env)
 
 
 def _backend(opts: dict) -> str:
@@ -199,6 +199,7 @@ def _main(name: str, args: argparse.Namespace) -> int:
     mod = _MULTI_RANK[name]
     mod.validate(args)  # bad names fail here, before any rank starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        bound.check_launched(opts)
         _joined(name, opts)
         return 0
     if args.testbed:
@@ -210,13 +211,27 @@ def _main(name: str, args: argparse.Namespace) -> int:
         _check_world(
             name, args, BenchEnv(args.ranks_per_node, bed), bed.nodes * args.ranks_per_node
         )
+        opts = _measured_compute(name, opts, bed.nodes * args.ranks_per_node, args.ranks_per_node)
         child = ["-m", "schemoe.bench.cli", name, json.dumps(opts)]
         return launch.run(child, args.ranks_per_node, timeout=args.timeout)
     from ..dist.launch import spawn
 
     _check_world(name, args, BenchEnv(args.ranks_per_node or args.nproc, None), args.nproc)
+    opts = _measured_compute(name, opts, args.nproc, args.ranks_per_node or args.nproc)
     spawn(_rank, args.nproc, name, opts, timeout=args.timeout, backend=_backend(opts))
     return 0
+
+
+def _measured_compute(name: str, opts: dict, world: int, ranks_per_node: int) -> dict:
+    """With --measured-bound (bench step): first the compute pass, the same ranks on plain
+    loopback (bench/bound.py); the measured pass gets its row medians in its options."""
+    if not opts.get("measured_bound"):
+        return opts
+    from ..dist.launch import spawn
+
+    local = bound.pass_options(opts, world, ranks_per_node)
+    medians = spawn(_rank, world, name, local, timeout=opts["timeout"], backend=_backend(opts))
+    return bound.with_compute(opts, medians[0])
 
 
 def _compress(args: argparse.Namespace) -> int:

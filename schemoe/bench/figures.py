@@ -3,6 +3,10 @@ runs, the commands that make it (argv after the Python executable), its raw outp
 table maker (`schemoe.bench.tables`). `{out}` in an argument is the report's output folder,
 `{home}` the figure's own empty HOME (`Step.fresh_home`: auto and --predict read the profile
 store there).
+
+PENDING figures are declared and run with `schemoe bench report --testbed --only NAME`, but are
+not in the default run nor pasted (`FIGURES`) until a doc holds their `<!-- report:NAME -->`
+block (tests/test_readme_results.py: every figure of FIGURES is shown in one paste target).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from functools import partial
 
 from . import tables
 
-__all__ = ["FIGURES", "Figure", "Step", "TestbedSpec", "by_name"]
+__all__ = ["FIGURES", "PENDING", "Figure", "Step", "TestbedSpec", "by_name"]
 
 CLI = ("-m", "schemoe.cli")
 
@@ -61,8 +65,8 @@ class Figure:
         return [s.out for s in self.steps]
 
 
-def _bench(kind: str, *flags: str) -> tuple[str, ...]:
-    return (*CLI, "bench", kind, "--testbed", "--ranks-per-node", "2", *flags)
+def _bench(kind: str, *flags: str, ranks_per_node: int = 2) -> tuple[str, ...]:
+    return (*CLI, "bench", kind, "--testbed", "--ranks-per-node", str(ranks_per_node), *flags)
 
 
 def _on_testbed(*argv: str) -> tuple[str, ...]:
@@ -230,13 +234,31 @@ def _cost_figures() -> list[Figure]:
     return f
 
 
+# The candidates that cover issues 16/17's best rows at M=256 H=512 (baseline sequential r=1
+# m=1 DDP fp32 first; m=4 never won there), each with its measured bound (bench/bound.py).
+BOUND = ("--policies", "sequential,schemoe", "--chunks", "1,4", "--micro-chunks", "1,2", *STEP,
+         "--peer", "deepspeed", *M256, "--repeats", "5", "--timeout", "1200", "--measured-bound")  # fmt: skip
+
+
+def _bound_figure(rate: str) -> Figure:
+    """bench step --measured-bound at M=256 H=512 on one `rate` testbed: 2 nodes x 2 ranks, then
+    2 nodes x 1 rank (a testbed without --intra-rate takes any ranks per node)."""
+    stem = f"step_bound_{rate}_m256"
+    steps = tuple(Step(_bench("step", *BOUND, ranks_per_node=k), f"{stem}_2x{k}.txt") for k in (2, 1))  # fmt: skip
+    title = f"Whole steps against their measured bound, M=256 H=512, {rate[:-4]} Mbit/s"
+    # minutes: a guess (33 rows, two passes each, both topologies) until its first run
+    return Figure(f"step_bound_{rate}_m256", title, TestbedSpec(rate), steps, 20,
+                  partial(tables.step_bound, names=("2x2", "2x1")))  # fmt: skip
+
+
 FIGURES = _transfer_figures() + _step_figures() + _cost_figures()
+PENDING = [_bound_figure("600mbit"), _bound_figure("200mbit")]
 
 
 def by_name(names: Sequence[str]) -> list[Figure]:
-    """The figures named, in FIGURES order; unknown names: ValueError naming them and the known."""
-    known = {f.name: f for f in FIGURES}
+    """The figures named (FIGURES, then PENDING), in that order; unknown names: ValueError naming them and the known."""
+    known = {f.name: f for f in FIGURES + PENDING}
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown figure(s) {', '.join(bad)}; known: {', '.join(known)}")
-    return [f for f in FIGURES if f.name in names]
+    return [f for f in FIGURES + PENDING if f.name in names]

@@ -48,7 +48,7 @@ from ..train.model import GPT, GPTConfig
 from ..train.setup import optimizer
 from ..train.step import StepRecord, train_step
 from ..tuning.auto import TUNED, AutoTuner
-from . import output, parts
+from . import bound, output, parts
 from .layer import _deepspeed, check_optional
 
 __all__ = ["add_arguments", "bench", "timed_step", "validate"]
@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t("--repeats", type=int, default=5, help="measured rounds")
     t("--trace", default=None, metavar="DIR",
       help="after timing, trace one step of each row: DIR/<row>.json + .png")  # fmt: skip
+    t("--measured-bound", action="store_true",
+      help="also measure each row's bound: a compute pass of the same rows on unshaped loopback "
+      "first, the testbed's eth0 bytes per step / its rate (bench/bound.py)")  # fmt: skip
+    p.set_defaults(bound_pass=False, compute_measured=None)  # set by the launcher, no flags
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -119,6 +123,12 @@ def validate(args: argparse.Namespace) -> None:
     for p in args.peer:
         if p != "deepspeed":
             raise ValueError(f"--peer must be deepspeed, got {p!r}")
+    tuned = [name for name in args.policies if name in TUNED]
+    if args.measured_bound and tuned:
+        raise ValueError(
+            f"--measured-bound with --policies {','.join(tuned)}: the loopback compute pass "
+            "would tune for other links than the measured pass; list fixed policies"
+        )
     check_optional(args)
 
 
@@ -290,7 +300,9 @@ def _candidates(args, world: int, rpn: int, batches) -> tuple[dict, list[dict], 
     return cands, rows, cores
 
 
-def bench(args: argparse.Namespace, env) -> None:
+def bench(args: argparse.Namespace, env) -> dict[str, float]:
+    """Time every row and print the report (rank 0); return each row's median (name -> ms), as
+    the compute pass of --measured-bound returns it to its launcher, printing nothing."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rpn = env.ranks_per_node
     args.experts = args.experts or 2 * world
@@ -314,15 +326,25 @@ def bench(args: argparse.Namespace, env) -> None:
     for comp in dict.fromkeys(args.grad_compress):
         dtype = COMPRESS[comp] or torch.float32
         cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
+    counts = bound.count_rows(args, env, rank, cands, [r["_n"] for r in rows])
     stats = measure(cands, warmup=args.warmup, repeats=args.repeats)
+    medians = {r["_n"]: stats[r["_n"]].median_ms for r in rows}
+    if args.bound_pass:  # the compute pass of --measured-bound: the launcher takes the medians
+        return medians
+    if counts is not None:  # collective: before the trace calls the steps again
+        counts = bound.busiest_bytes(counts, args.repeats)
     if args.trace:
         _trace(args.trace, {n: cands[n] for n in cores}, cores)
 
     host_ranks = parts.host_ranks(env, world)
     compute1, compute_ms = parts.compute_bound(stats["parts:compute1"].median_ms, world, host_ranks)
     for row in rows:
-        name = row.pop("_n")
-        row.update(stats[name].row())
+        row.update(stats[row["_n"]].row())
+    if args.measured_bound:
+        rate = env.testbed.rate_bps if counts is not None else None
+        bound.add_columns(rows, args.compute_measured, counts, rate)
+    for row in rows:
+        del row["_n"]
         net = stats[f"parts:network:{row['grad_compress']}"].median_ms
         row["network_ms"] = net
         row["lower_bound_ms"] = max(compute_ms, net)
@@ -344,6 +366,8 @@ def bench(args: argparse.Namespace, env) -> None:
         f"({host_ranks} ranks on {parts.host_cores()} cores); network "
         + ", ".join(f"{k} {v:.1f} ms" for k, v in nets.items())
     )
+    if args.measured_bound:
+        head.append(bound.header_line(env, world, counts is not None))
     summary = {
         "results": rows,
         "compute1_ms": compute1,
@@ -356,7 +380,10 @@ def bench(args: argparse.Namespace, env) -> None:
     }
     cols = ["policy", "chunks", "micro_chunks", "grad_sync", "grad_compress", "grad_window", "median_ms",
             "p10_ms", "p90_ms", "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
+    if args.measured_bound:
+        cols += ["compute_measured_ms", "network_measured_ms", "measured_bound_ms", "bound_ratio"]
     output.report(head, rows, cols, summary)
+    return medians
 
 
 def _peer_args(args) -> argparse.Namespace:

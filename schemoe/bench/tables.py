@@ -300,6 +300,30 @@ def step_micro(texts: Sequence[str]) -> Table:
     return Table(["row", "configuration", "median ms", "vs baseline"], out, claims)
 
 
+def step_bound(texts: Sequence[str], names: Sequence[str]) -> Table:
+    """bench step --measured-bound runs (one per topology in `names`): per run its baseline
+    (first row), its best row at each m and DeepSpeed, each with the measured parts and
+    median / measured bound."""
+    out, claims = [], []
+    for name, text in zip(names, texts):
+        rows = last_json(text)["results"]
+        ours = [r for r in rows if r["policy"] != "deepspeed"]
+        picked = [("baseline", rows[0])]
+        for m in dict.fromkeys(r.get("micro_chunks", 1) for r in ours):
+            picked.append((f"best at m={m}", _best(ours, lambda r, m=m: r.get("micro_chunks", 1) == m)))  # fmt: skip
+        picked += [("DeepSpeed-MoE + DDP", r) for r in rows if r["policy"] == "deepspeed"]
+        for what, r in picked:
+            net = r["network_measured_ms"]
+            out.append([f"{name} {what}", _step_label(r), _ms(r["median_ms"]),
+                        _ms(r["compute_measured_ms"]), "-" if net is None else _ms(net),
+                        _x(r["bound_ratio"])])  # fmt: skip
+        low = min(r["bound_ratio"] for r in rows)
+        claims.append(Claim(f"{name}: no row below its measured bound", low >= 1.0, _x(low)))
+    cols = ["row", "configuration", "median ms", "compute ms (loopback)", "network ms (eth0)",
+            "/ measured bound"]  # fmt: skip
+    return Table(cols, out, claims)
+
+
 # --- train ------------------------------------------------------------------------------------
 
 
