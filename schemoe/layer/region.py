@@ -175,7 +175,9 @@ def expert_backward(
     region: Region, params: Sequence[torch.Tensor], keep: bool, on_grads: Callable
 ) -> Callable:
     """The expert task of backward: chunk i's input gradient from its saved graph; the weight
-    gradients go to `on_grads(i, grads)` (one entry per param, None where unused)."""
+    gradients go to `on_grads(i, grads)` (one entry per param, None where unused), each a tensor
+    of their own (a weight gradient that autograd passed through from `gy` is copied), so a sum
+    of them may be taken in place."""
 
     def fn(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         if i not in region.saved:
@@ -187,7 +189,10 @@ def expert_backward(
         grads = torch.autograd.grad(
             y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep
         )
-        on_grads(i, grads[1:])
+        gy_ptr = gy.untyped_storage().data_ptr()
+        own = [g.clone() if g is not None and g.untyped_storage().data_ptr() == gy_ptr else g
+               for g in grads[1:]]  # fmt: skip
+        on_grads(i, own)
         return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
 
     return fn
@@ -207,22 +212,25 @@ class OrderedSum:
         self.acc: list[torch.Tensor | None] = [None] * n
         self.owned = [False] * n  # acc[p] is our own sum (safe to add into in place)
 
-    def put(self, key, idx: Sequence[int], grads) -> None:
-        """Key `key`'s contributions: grads[n] (None where unused) to parameter idx[n]."""
+    def put(self, key, idx: Sequence[int], grads, owned: bool = False) -> None:
+        """Key `key`'s contributions: grads[n] (None where unused) to parameter idx[n]. `owned`:
+        the tensors alias nothing else, so the sum may be taken into the first one in place
+        (no [E, M, H]-sized allocation per contribution)."""
         for p, g in zip(idx, grads):
-            self.pending[p][key] = g
+            self.pending[p][key] = (g, owned)
             q = self.expected[p]
             while self.next[p] < len(q) and q[self.next[p]] in self.pending[p]:
-                self._add(p, self.pending[p].pop(q[self.next[p]]))
+                self._add(p, *self.pending[p].pop(q[self.next[p]]))
                 self.next[p] += 1
                 if self.next[p] == len(q) and self.on_final is not None:
                     self.on_final(p)
 
-    def _add(self, p: int, g: torch.Tensor | None) -> None:
+    def _add(self, p: int, g: torch.Tensor | None, owned: bool) -> None:
         if g is None:
             return
         if self.acc[p] is None:
-            self.acc[p] = g  # may alias a buffer autograd passed through: not added into
+            # Unless owned, it may alias a buffer autograd passed through: not added into.
+            self.acc[p], self.owned[p] = g, owned
         elif self.owned[p]:
             self.acc[p].add_(g)
         else:
@@ -262,7 +270,9 @@ class _RegionFn(torch.autograd.Function):
         chunks = [t.chunk for t in sched.order["compute"] if t.kind == Kind.E]
         acc = OrderedSum(len(params), dict.fromkeys(range(len(params)), chunks))
         idx = list(range(len(params)))
-        expert_bwd = expert_backward(region, params, keep, lambda i, gs: acc.put(i, idx, gs))
+        expert_bwd = expert_backward(
+            region, params, keep, lambda i, gs: acc.put(i, idx, gs, owned=True)
+        )
         s_params, s_fn = shared_params(region.shared), None
         if region.shared is not None:
             s_fn = shared_backward(region.saved, s_params, grad_s[0], keep)
