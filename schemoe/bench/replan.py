@@ -5,9 +5,9 @@ A stack of --layers dropless MoE layers trains (forward, backward, SGD step) thr
 skew over a seeded expert order whose hot set rotates every --rotate-every steps, or balanced).
 Every run sees the same inputs and the same biases at the same step. The runs:
 
-1. fixed0: the cost model's choice for balanced routing at --tokens on the planning record (the
-   plan auto with --trials 0 would take, without the `search` refinement, which a Replanner
-   never runs either), in every layer, all the way.
+1. fixed0: the cost model's choice for balanced routing at --tokens on the planning record (what
+   auto with --trials 0 takes, unless a `search` order wins there: a Replanner never runs one,
+   so its candidates are taken here too), in every layer, all the way.
 2. replan: the same start plan with a Replanner (--replan-every/-threshold/-confirm, the same
    planning record). 1 and 2 run interleaved, step by step (alternating which goes first).
 3. hindsight: a candidate set, each plan in every layer, fixed over all phases, interleaved with
@@ -27,12 +27,21 @@ summed over the layers) for the plan each layer ran, priced at the replanner's p
 step's window (`Picture.priced_tokens`, as the replanner prices it); ratio = predicted / measured
 median. It models the MoE layers only (the loss and SGD step are in the measured time).
 
-On the emulated cluster (2 nodes x 2 ranks; 1 Gbit/s puts the layer's all-to-alls at about half
-its step at this shape, see the report of the change that added this command):
+Decision points cost the replan run: rank 0 prices each layer's picture (`picture.plan_for`: a
+simulation of ~100 candidates, cached per priced token count, which changes from window to
+window) while the other ranks wait; the `decision` and `other` rows split the replan run's step
+times into the steps that end at a decision point and the rest.
 
-    schemoe testbed up --nodes 2 --rate 1gbit
-    schemoe bench replan --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \\
-        --hidden-dim 512 --experts 8 --top-k 2
+On the emulated cluster, 2 nodes x 2 ranks, at a link rate where the layer spends about half of
+its step on the network (the `bench layer` line checks it: its header prints the all-to-alls'
+time and the compute bound, dropless at this shape):
+
+    schemoe testbed up --nodes 2 --rate 1500mbit
+    schemoe bench layer --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
+        --hidden-dim 512 --experts 8 --top-k 2 --capacity-factor 0 --repeats 5
+    schemoe bench replan --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
+        --hidden-dim 512 --experts 8 --top-k 2 --layers 2 --phases zipf:1.2:rotate,balanced \
+        --phase-steps 30 --rotate-every 10 --replan-every 5 --overhead-steps 20
     schemoe testbed down
 """
 
@@ -76,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", default="zipf:1.2:rotate,balanced",
                    help="comma list of phases: balanced, zipf:S (Zipf(S) skew) or zipf:S:rotate "
                         "(its hot set moving every --rotate-every steps)")  # fmt: skip
-    p.add_argument("--phase-steps", type=int, default=40,
+    p.add_argument("--phase-steps", type=int, default=30,
                    help="training steps per phase (a multiple of --replan-every)")  # fmt: skip
     p.add_argument("--rotate-every", type=int, default=10, help="steps between hot-set moves")
     p.add_argument("--layers", type=int, default=2, help="MoE layers in the stack")
@@ -292,6 +301,11 @@ def _report(args, env, world, fixed0, phases, runs, times, o_times, hw_t, quick)
         {"run": "overhead replan/fixed0", "phase": "balanced", "ratio": over,
          "steps": args.overhead_steps},
     ]  # fmt: skip
+    every = args.replan_every
+    at = [t for i, t in enumerate(times["replan"], 1) if i % every == 0]
+    rest = [t for i, t in enumerate(times["replan"], 1) if i % every]
+    split = [{"run": "replan", "phase": part, "steps": len(t), "median_ms": statistics.median(t),
+              "phase_ms": sum(t)} for part, t in (("decision", at), ("other", rest)) if t]  # fmt: skip
     switches = [s.as_dict() for s in replan.replanner.history]
     o_switches = [s.as_dict() for s in o_replan.replanner.history]
     config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden_dim", "top_k",
@@ -316,6 +330,8 @@ def _report(args, env, world, fixed0, phases, runs, times, o_times, hw_t, quick)
             n: [r for r in rows if r["run"] == n] for n in dict.fromkeys(r["run"] for r in rows)
         },
         "hindsight": hindsight,
+        "replan_steps": split,
+        "step_ms": {n: [round(v, 3) for v in t] for n, t in (times | o_times).items()},
         "totals_ms": total | {"hindsight": hind_ms},
         "speedup_vs_fixed0": total["fixed0"] / total["replan"],
         "replan_vs_hindsight": total["replan"] / hind_ms,
@@ -333,4 +349,4 @@ def _report(args, env, world, fixed0, phases, runs, times, o_times, hw_t, quick)
         "auto_profile": quick,
     }
     cols = ["run", "phase", "steps", "median_ms", "phase_ms", "predicted_ms", "ratio", "plans"]
-    output.report(head, rows + hindsight + ratios, cols, summary)
+    output.report(head, rows + split + hindsight + ratios, cols, summary)
