@@ -151,3 +151,11 @@ def test_a_bad_flag_gives_one_line_naming_it(argv, message, capfd):
         rc = e.code
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_the_replan_runs_decision_and_other_steps_split_all_its_steps(summary):
+    decision, other = summary["replan_steps"]
+    steps = summary["step_ms"]["replan"]
+    assert (decision["phase"], other["phase"]) == ("decision", "other")
+    assert decision["steps"] + other["steps"] == len(steps) == 3 * 4  # 3 phases x 4 steps
+    assert decision["phase_ms"] + other["phase_ms"] == pytest.approx(sum(steps), abs=0.1)
