@@ -1,4 +1,4 @@
-"""`schemoe bench a2a|layer|step|compress|report`, and where the ranks of a benchmark come from.
+"""`schemoe bench a2a|layer|step|replan|compress|report`, and where the ranks of a benchmark come from.
 
 A multi-rank benchmark module provides `add_arguments(parser)` and `bench(args, env)`
 (collective; it prints through `output.report`; what it returns a spawned rank returns). Its ranks come from one of three places:
@@ -28,11 +28,11 @@ from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
 from ..train.checks import TRAIN_BYTES_PER_PARAM, check_chunk_rows, fits_in_memory, moe_layer_params
-from . import a2a, bound, compress, layer, output, regen, step
+from . import a2a, bound, compress, layer, output, regen, replan, step
 
 __all__ = ["BenchEnv", "register"]
 
-_MULTI_RANK = {"a2a": a2a, "layer": layer, "step": step}
+_MULTI_RANK = {"a2a": a2a, "layer": layer, "step": step, "replan": replan}
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ _STEP_CHECKS = {
     "--grad-compressors": Check(),
     "--seq-len": Check(1),
 }
-_CHECKS = {"a2a": a2a.CHECKS, "layer": layer.CHECKS, "step": _STEP_CHECKS}
+_CHECKS = {"a2a": a2a.CHECKS, "layer": layer.CHECKS, "step": _STEP_CHECKS, "replan": replan.CHECKS}
 
 
 def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,7 +150,8 @@ def _joined(name: str, opts: dict) -> None:
 def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int) -> None:
     """What the flags say about `world` ranks (ValueError naming the flag): --ranks-per-node
     divides them, so do --experts (default 2 per rank), --top-k <= the experts; then the
-    benchmark's own (bench layer: --predict has a profile of this topology)."""
+    benchmark's own (bench layer: --predict has a profile of this topology; bench replan: its
+    runs' weights fit in memory)."""
     if world % env.ranks_per_node:
         raise ValueError(f"--ranks-per-node {env.ranks_per_node} must divide the {world} ranks")
     if hasattr(args, "top_k"):
@@ -159,9 +160,12 @@ def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int)
             raise ValueError(f"--experts {experts} must be divisible by the {world} ranks")
         if args.top_k > experts:
             raise ValueError(f"--top-k {args.top_k} must be <= the {experts} experts (--experts)")
-        _check_size(name, args, experts, world)
+        if name in ("layer", "step"):
+            _check_size(name, args, experts, world)
     if name == "layer":
         layer.check_world(args, env, world)
+    if name == "replan":
+        replan.check_world(args, env, world)
 
 
 def _check_size(name: str, args: argparse.Namespace, experts: int, world: int) -> None:
