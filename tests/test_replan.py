@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfi
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.train import loop
 from schemoe.tuning import replan
-from schemoe.tuning.picture import Picture, plan_for
+from schemoe.tuning.picture import Picture, on_grid, plan_for
 from schemoe.tuning.replan import Replanner, schedule_of
 from train_cases import tiny
 
@@ -342,3 +343,12 @@ def test_on_cuda_the_watched_calls_make_no_host_sync_and_are_timed_at_the_decisi
     rp.step(1)
     rp.step(2)  # the decision point: events read, tally gathered
     assert rp.pictures[0].calls_P == (2,) and rp._watch[0].before_s > 0
+
+
+@pytest.mark.parametrize("tokens", [1, 14, 31, 32, 100, 1000, 1024, 1025, 4096, 123_457])
+def test_priced_tokens_round_up_to_a_grid_within_one_step_of_4_4_percent(tokens):
+    t = on_grid(tokens)
+    assert tokens <= t <= math.ceil(tokens * 2 ** (1 / 16)) + 1
+    assert on_grid(t) == t  # a grid point is its own price
+    if tokens < 32:
+        assert t == tokens

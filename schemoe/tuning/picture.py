@@ -40,7 +40,7 @@ from ..costmodel.model import A2A_MODELS, LayerShape
 from ..costmodel.prediction import Prediction, predict_config
 from .choose import AUTO_CHUNKS, AUTO_SKIPS, as_config, explore, shortlist
 
-__all__ = ["Picture", "plan_for", "with_capacity"]
+__all__ = ["Picture", "on_grid", "plan_for", "with_capacity"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,20 @@ class Picture:
         if not dropless:
             return max(tokens, 1)
         return max(1, math.ceil(self.busiest() / top_k))
+
+
+def on_grid(tokens: int, steps_per_octave: int = 16) -> int:
+    """`tokens` rounded up to a geometric grid (2 ** (1 / steps_per_octave) apart, ~4.4%):
+    windows whose pictures differ by routing noise are priced at the same T', so the search's
+    cache (`plan_for`) serves them and a decision point costs no search. Rounding up prices the
+    busiest rank a little high, never low. Below 2 * steps_per_octave tokens: exact."""
+    if tokens < 2 * steps_per_octave:
+        return tokens
+    step = 2 ** (1 / steps_per_octave)
+    i = math.ceil(math.log(tokens, step) - 1e-9)
+    while math.ceil(step ** (i - 1)) >= tokens:  # the grid's points are ceil(step ** i)
+        i -= 1
+    return math.ceil(step**i)
 
 
 def with_capacity(

@@ -72,7 +72,7 @@ from ..layer.moe import MoELayer
 from ..layer.recompute import replaying
 from .auto import AutoTuner
 from .choose import BUDGETS
-from .picture import Picture, plan_for, with_capacity
+from .picture import Picture, on_grid, plan_for, with_capacity
 from .plan import from_rank0, plan_record
 from .switch import Switch, check_schedule, number_in, positive_int, schedule_of
 
@@ -368,7 +368,7 @@ class Replanner:
             return None
         running = self.layers[i].running
         g = running.gate
-        tokens = pic.priced_tokens(g.top_k, g.dropless)
+        tokens = on_grid(pic.priced_tokens(g.top_k, g.dropless))  # cache hits across windows
         budget = self.budget or running.schedule.accuracy_budget
         base = with_capacity(running, pic, self.capacity_factors, self.max_drop)
         v = plan_for(base, tokens, hw, budget, self._cache)
