@@ -214,17 +214,24 @@ def test_the_bound_table_shows_each_runs_baseline_best_rows_and_ratios():
         "2x2 baseline", "2x2 best at m=1", "2x2 best at m=2", "2x2 DeepSpeed-MoE + DDP",
         "2x1 baseline", "2x1 best at m=1", "2x1 best at m=2",
     ]  # fmt: skip
-    assert table.rows[0][2:] == ["600.0", "400.0", "300.0", "1.50x"]
-    assert table.rows[-1][2:] == ["190.0", "150.0", "200.0", "0.95x"]
-    assert [(c.holds, c.value) for c in table.claims] == [(True, "1.25x"), (False, "0.95x")]
+    assert table.rows[0][2:] == ["600.0", "400.0", "300.0", "1.50x", "-"]
+    assert table.rows[-1][2:] == ["190.0", "150.0", "200.0", "0.95x", "-"]
+    assert [(c.holds, c.value) for c in table.claims] == [
+        (True, "1.25x"), (False, "1.25x"), (False, "0.95x"), (True, "0.95x"),
+    ]  # fmt: skip
 
 
 def test_the_bound_figures_run_2x2_then_2x1_under_one_testbed_and_are_not_pasted_yet():
     names = [f.name for f in figures.PENDING]
-    assert names == ["step_bound_600mbit_m256", "step_bound_200mbit_m256"]
+    assert names == ["step_bound_600mbit_m256", "step_bound_200mbit_m256", "step_auto_400mbit_m512"]
     assert not set(names) & {f.name for f in figures.FIGURES}
     (fig,) = figures.by_name(["step_bound_200mbit_m256"])
-    lines = regen.commands(fig)
+    lines = [" ".join(line.replace("\\\n", " ").split()) for line in regen.commands(fig)]
     assert lines[0] == "schemoe testbed up --nodes 2 --rate 200mbit"
-    assert "--ranks-per-node 2" in lines[1] and "--ranks-per-node 1" in lines[2]
-    assert all("--measured-bound" in line for line in lines[1:3])
+    # per topology: a profile of it, bench step priced on that profile, validate on it
+    for k, (prof, bench, check) in zip((2, 1), (lines[1:4], lines[4:7])):
+        stem = f"step_bound_200mbit_m256_2x{k}"
+        assert f"testbed run --ranks-per-node {k} -- " in prof and f"{stem}.profile.json" in prof
+        assert f"--ranks-per-node {k}" in bench and "--measured-bound" in bench
+        assert f"--auto-step --profile DIR/{stem}.profile.json" in bench
+        assert check.startswith(f"schemoe validate DIR/{stem}.txt=DIR/{stem}.profile.json")

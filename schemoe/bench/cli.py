@@ -28,7 +28,7 @@ from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
 from ..train.checks import TRAIN_BYTES_PER_PARAM, check_chunk_rows, fits_in_memory, moe_layer_params
-from . import a2a, bound, compress, layer, output, regen, replan, step
+from . import a2a, autostep, bound, compress, layer, output, regen, replan, step
 
 __all__ = ["BenchEnv", "register"]
 
@@ -164,6 +164,8 @@ def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int)
             _check_size(name, args, experts, world)
     if name == "layer":
         layer.check_world(args, env, world)
+    if name == "step":
+        autostep.check_world(args, env.profile_key(world))
     if name == "replan":
         replan.check_world(args, env, world)
 

@@ -69,8 +69,8 @@ def _bench(kind: str, *flags: str, ranks_per_node: int = 2) -> tuple[str, ...]:
     return (*CLI, "bench", kind, "--testbed", "--ranks-per-node", str(ranks_per_node), *flags)
 
 
-def _on_testbed(*argv: str) -> tuple[str, ...]:
-    return (*CLI, "testbed", "run", "--ranks-per-node", "2", "--", *argv)
+def _on_testbed(*argv: str, ranks_per_node: int = 2) -> tuple[str, ...]:
+    return (*CLI, "testbed", "run", "--ranks-per-node", str(ranks_per_node), "--", *argv)
 
 
 LAYER = ("--policies", "sequential,tutel,schemoe,fastermoe")
@@ -237,22 +237,47 @@ def _cost_figures() -> list[Figure]:
 # The candidates that cover issues 16/17's best rows at M=256 H=512 (baseline sequential r=1
 # m=1 DDP fp32 first; m=4 never won there), each with its measured bound (bench/bound.py).
 BOUND = ("--policies", "sequential,schemoe", "--chunks", "1,4", "--micro-chunks", "1,2", *STEP,
-         "--peer", "deepspeed", *M256, "--repeats", "5", "--timeout", "1200", "--measured-bound")  # fmt: skip
+         "--peer", "deepspeed", "--repeats", "5", "--timeout", "1200", "--measured-bound")  # fmt: skip
+
+
+def _priced(stem: str, k: int, shape: tuple[str, ...], bench: tuple[str, ...]) -> tuple[Step, ...]:
+    """On the figure's testbed with k ranks per node: `schemoe profile` at the step's MoE shape
+    (tokens = batch 8 x seq 64) into {out}/STEM.profile.json, bench step with --auto-step on
+    it (to STEM.txt), then `schemoe validate` of its rows on it."""
+    prof = f"{{out}}/{stem}.profile.json"
+    return (
+        Step(_on_testbed(*CLI, "profile", "--ranks-per-node", str(k), "--path", prof, *shape,
+                         "--tokens", "512", ranks_per_node=k), f"{stem}.profile.txt"),
+        Step(_bench("step", *bench, *shape, "--auto-step", "--profile", prof, ranks_per_node=k),
+             f"{stem}.txt"),
+        Step((*CLI, "validate", f"{{out}}/{stem}.txt={prof}"), f"{stem}.validate.txt"),
+    )  # fmt: skip
 
 
 def _bound_figure(rate: str) -> Figure:
-    """bench step --measured-bound at M=256 H=512 on one `rate` testbed: 2 nodes x 2 ranks, then
-    2 nodes x 1 rank (a testbed without --intra-rate takes any ranks per node)."""
+    """bench step --measured-bound --auto-step at M=256 H=512 on one `rate` testbed: 2 nodes x 2
+    ranks, then 2 nodes x 1 rank (a testbed without --intra-rate takes any ranks per node), each
+    after a profile of its own topology and followed by `schemoe validate` on it."""
     stem = f"step_bound_{rate}_m256"
-    steps = tuple(Step(_bench("step", *BOUND, ranks_per_node=k), f"{stem}_2x{k}.txt") for k in (2, 1))  # fmt: skip
+    steps = tuple(s for k in (2, 1) for s in _priced(f"{stem}_2x{k}", k, M256, BOUND))
     title = f"Whole steps against their measured bound, M=256 H=512, {rate[:-4]} Mbit/s"
-    # minutes: a guess (33 rows, two passes each, both topologies) until its first run
+    # minutes: 7.8 (600mbit) and 10.0 (200mbit) for the bench steps in their second run, +profiles
     return Figure(f"step_bound_{rate}_m256", title, TestbedSpec(rate), steps, 20,
                   partial(tables.step_bound, names=("2x2", "2x1")))  # fmt: skip
 
 
+def _auto_step_figure() -> Figure:
+    """auto's step choice on a shape nothing was tuned on (M=512 H=1024), 400 Mbit/s, 2 x 2."""
+    stem = "step_auto_400mbit_m512"
+    bench = ("--policies", "sequential,schemoe", "--chunks", "1,4", "--micro-chunks", "1,2",
+             *STEP, "--repeats", "5", "--timeout", "1200")  # fmt: skip
+    steps = _priced(f"{stem}_2x2", 2, ("--model-dim", "512", "--hidden-dim", "1024"), bench)
+    return Figure(stem, "auto's step choice on an untuned shape, M=512 H=1024, 400 Mbit/s",
+                  TestbedSpec("400mbit"), steps, 12, partial(tables.step_bound, names=("2x2",)))  # fmt: skip
+
+
 FIGURES = _transfer_figures() + _step_figures() + _cost_figures()
-PENDING = [_bound_figure("600mbit"), _bound_figure("200mbit")]
+PENDING = [_bound_figure("600mbit"), _bound_figure("200mbit"), _auto_step_figure()]
 
 
 def by_name(names: Sequence[str]) -> list[Figure]:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from .. import collectives
 from ..collectives import AllToAll
 from ..dist.topology import Topology
+from ..layer.parallel import dense_parameters
+from ..routing.router import capacity
 
-__all__ = ["algorithm", "compute_bound", "host_cores", "host_ranks", "one_at_a_time"]
+__all__ = ["algorithm", "compute_bound", "host_cores", "host_ranks", "network", "one_at_a_time"]
 
 
 def one_at_a_time(fn: Callable[[], None], rank: int, world: int) -> Callable[[], None]:
@@ -57,3 +60,27 @@ def algorithm(name: str, ranks_per_node: int) -> AllToAll:
     """The all-to-all `name` on the default group, as a layer of that topology would build it
     (shared with the layers: one per process group)."""
     return collectives.build(name, Topology.from_group(None, ranks_per_node))
+
+
+def network(args, core, algo, world: int, dtype: torch.dtype, group=None):
+    """`schemoe train`'s GPT `core`: its collectives alone, back to back, real sizes: per MoE layer four
+    all-to-alls of its dispatch buffer (uniform tokens: no counts exchanged), the dense gradients'
+    all-reduce in `dtype`, the loss all-reduce."""
+    moes = [b.ffn for b in core.blocks if b.moe]
+    gate = moes[0].config.gate
+    T = args.batch * args.seq_len
+    rows = args.experts * capacity(gate, T)
+    per = [rows // world + (d < rows % world) for d in range(world)]
+    x = torch.randn(sum(per), args.model_dim)
+    dense = sum(p.numel() for p in dense_parameters(core))
+    grads = torch.zeros(dense, dtype=dtype)
+    loss = torch.zeros(1)
+
+    def run() -> None:
+        for _ in moes:  # uniform tokens in capacity mode: no counts exchange
+            for _ in range(4):  # dispatch, combine; their gradients in backward
+                algo.start(x, per, per).wait()
+        dist.all_reduce(grads, group=group)
+        dist.all_reduce(loss)
+
+    return run

@@ -39,16 +39,16 @@ from torch import nn
 from .. import config as c
 from .. import trace
 from ..collectives import ALGORITHMS
+from ..costmodel.plans import StepPlan
 from ..dist.timing import measure
-from ..layer.parallel import ddp_ignore_experts, dense_parameters
-from ..routing.router import capacity
+from ..layer.parallel import ddp_ignore_experts
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, SYNCS, data_parallel
 from ..train.model import GPT, GPTConfig
 from ..train.setup import optimizer
 from ..train.step import StepRecord, train_step
 from ..tuning.auto import TUNED, AutoTuner
-from . import bound, output, parts
+from . import autostep, bound, output, parts
 from .layer import _deepspeed, check_optional
 
 __all__ = ["add_arguments", "bench", "timed_step", "validate"]
@@ -94,6 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t("--measured-bound", action="store_true",
       help="also measure each row's bound: a compute pass of the same rows on unshaped loopback "
       "first, the testbed's eth0 bytes per step / its rate (bench/bound.py)")  # fmt: skip
+    autostep.add_arguments(p.add_argument_group("the step's cost model"))
     p.set_defaults(bound_pass=False, compute_measured=None)  # set by the launcher, no flags
 
 
@@ -129,6 +130,7 @@ def validate(args: argparse.Namespace) -> None:
             f"--measured-bound with --policies {','.join(tuned)}: the loopback compute pass "
             "would tune for other links than the measured pass; list fixed policies"
         )
+    autostep.validate(args)
     check_optional(args)
 
 
@@ -195,28 +197,6 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return optimizer(model, lr=1e-4, weight_decay=0.1)
 
 
-def _network(args, core: GPT, algo, world: int, dtype: torch.dtype, group=None):
-    """The step's collectives alone (see the module docstring)."""
-    moes = [b.ffn for b in core.blocks if b.moe]
-    gate = moes[0].config.gate
-    T = args.batch * args.seq_len
-    rows = args.experts * capacity(gate, T)
-    per = [rows // world + (d < rows % world) for d in range(world)]
-    x = torch.randn(sum(per), args.model_dim)
-    dense = sum(p.numel() for p in dense_parameters(core))
-    grads = torch.zeros(dense, dtype=dtype)
-    loss = torch.zeros(1)
-
-    def run() -> None:
-        for _ in moes:  # uniform tokens in capacity mode: no counts exchange
-            for _ in range(4):  # dispatch, combine; their gradients in backward
-                algo.start(x, per, per).wait()
-        dist.all_reduce(grads, group=group)
-        dist.all_reduce(loss)
-
-    return run
-
-
 def _spans(core: GPT) -> list:
     """Hooks recording each block's attention and dense FFN, forward and backward, as trace
     marks on the compute row (only while a trace is being recorded)."""
@@ -280,8 +260,7 @@ def _candidates(args, world: int, rpn: int, batches) -> tuple[dict, list[dict], 
             window=win,
             ranks_per_node=rpn,
         )
-        name = f"{pol}/r{r}/{sync}/{comp}" if mc == 1 else f"{pol}/r{r}/m{mc}/{sync}/{comp}"
-        name += f"/w{win}" if win != 1 else ""
+        name = StepPlan(pol, r, mc, sync, comp).name + (f"/w{win}" if win != 1 else "")
         cands[name] = timed_step(model, core, _optimizer(core), batches, grad_accum=args.grad_accum)
         cores[name] = core
         rows.append({"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp,
@@ -325,7 +304,7 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
     algo = parts.algorithm(args.algorithm, rpn)  # what a tuned (auto) first row has no name for
     for comp in dict.fromkeys(args.grad_compress):
         dtype = COMPRESS[comp] or torch.float32
-        cands[f"parts:network:{comp}"] = _network(args, first, algo, world, dtype)
+        cands[f"parts:network:{comp}"] = parts.network(args, first, algo, world, dtype)
     counts = bound.count_rows(args, env, rank, cands, [r["_n"] for r in rows])
     stats = measure(cands, warmup=args.warmup, repeats=args.repeats)
     medians = {r["_n"]: stats[r["_n"]].median_ms for r in rows}
@@ -340,6 +319,15 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
     compute1, compute_ms = parts.compute_bound(stats["parts:compute1"].median_ms, world, host_ranks)
     for row in rows:
         row.update(stats[row["_n"]].row())
+    keys = ("model_dim", "hidden_dim", "experts", "top_k", "layers", "heads", "moe_every")
+    config = {k: getattr(args, k) for k in keys}
+    config |= {"f": args.capacity_factor, "seq_len": args.seq_len, "batch": args.batch,
+               "grad_accum": args.grad_accum, "algorithm": args.algorithm,
+               "bucket_mb": args.bucket_mb,
+               "grad_algorithm": args.grad_algorithm, "warmup": args.warmup,
+               "repeats": args.repeats}  # fmt: skip
+    if args.auto_step:
+        auto, auto_line = autostep.annotate(args, config, rows, env.profile_key(world))
     if args.measured_bound:
         rate = env.testbed.rate_bps if counts is not None else None
         bound.add_columns(rows, args.compute_measured, counts, rate)
@@ -352,13 +340,6 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
     base = rows[0]["median_ms"]
     for row in rows:
         row["speedup"] = base / row["median_ms"]
-    keys = ("model_dim", "hidden_dim", "experts", "top_k", "layers", "heads", "moe_every")
-    config = {k: getattr(args, k) for k in keys}
-    config |= {"f": args.capacity_factor, "seq_len": args.seq_len, "batch": args.batch,
-               "grad_accum": args.grad_accum, "algorithm": args.algorithm,
-               "bucket_mb": args.bucket_mb,
-               "grad_algorithm": args.grad_algorithm, "warmup": args.warmup,
-               "repeats": args.repeats}  # fmt: skip
     head = output.header("schemoe bench step", config, env.topology(world), env.link())
     nets = {k.split(":")[-1]: v.median_ms for k, v in stats.items() if k.startswith("parts:net")}
     head.append(
@@ -368,6 +349,8 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
     )
     if args.measured_bound:
         head.append(bound.header_line(env, world, counts is not None))
+    if args.auto_step:
+        head.append(auto_line)
     summary = {
         "results": rows,
         "compute1_ms": compute1,
@@ -378,10 +361,13 @@ def bench(args: argparse.Namespace, env) -> dict[str, float]:
         "world_size": world,
         "ranks_per_node": rpn,
     }
+    if args.auto_step:
+        summary["auto_step"] = auto
     cols = ["policy", "chunks", "micro_chunks", "grad_sync", "grad_compress", "grad_window", "median_ms",
             "p10_ms", "p90_ms", "lower_bound_ms", "network_share", "speedup"]  # fmt: skip
     if args.measured_bound:
         cols += ["compute_measured_ms", "network_measured_ms", "measured_bound_ms", "bound_ratio"]
+    cols += ["predicted_ms"] if args.auto_step else []
     output.report(head, rows, cols, summary)
     return medians
 

@@ -301,27 +301,52 @@ def step_micro(texts: Sequence[str]) -> Table:
 
 
 def step_bound(texts: Sequence[str], names: Sequence[str]) -> Table:
-    """bench step --measured-bound runs (one per topology in `names`): per run its baseline
-    (first row), its best row at each m and DeepSpeed, each with the measured parts and
-    median / measured bound."""
+    """bench step runs (one per topology in `names`; the profile and `schemoe validate` outputs
+    around them, when the figure has them, are told apart by their JSON): per run its baseline
+    (first row), its best row at each m, auto's step choice (--auto-step) and DeepSpeed, each
+    with the measured parts and median / measured bound (--measured-bound), the model's
+    prediction; claims on the bound, auto's choice and the simulator's median error."""
+    runs = [last_json(t) for t in texts]
+    benches = [j for j in runs if "results" in j]
+    checks = [j for j in runs if "points" in j] or [None] * len(benches)
     out, claims = [], []
-    for name, text in zip(names, texts):
-        rows = last_json(text)["results"]
+    for name, js, check in zip(names, benches, checks):
+        rows = js["results"]
         ours = [r for r in rows if r["policy"] != "deepspeed"]
         picked = [("baseline", rows[0])]
         for m in dict.fromkeys(r.get("micro_chunks", 1) for r in ours):
             picked.append((f"best at m={m}", _best(ours, lambda r, m=m: r.get("micro_chunks", 1) == m)))  # fmt: skip
+        auto = js.get("auto_step")
+        if auto:
+            picked.append(("auto's step choice", _planned(ours, auto["plan"])))
         picked += [("DeepSpeed-MoE + DDP", r) for r in rows if r["policy"] == "deepspeed"]
         for what, r in picked:
-            net = r["network_measured_ms"]
+            net, pred = r.get("network_measured_ms"), r.get("predicted_ms")
             out.append([f"{name} {what}", _step_label(r), _ms(r["median_ms"]),
-                        _ms(r["compute_measured_ms"]), "-" if net is None else _ms(net),
-                        _x(r["bound_ratio"])])  # fmt: skip
-        low = min(r["bound_ratio"] for r in rows)
-        claims.append(Claim(f"{name}: no row below its measured bound", low >= 1.0, _x(low)))
+                        _ms(r["compute_measured_ms"]) if "compute_measured_ms" in r else "-",
+                        "-" if net is None else _ms(net),
+                        _x(r["bound_ratio"]) if "bound_ratio" in r else "-",
+                        "-" if pred is None else _ms(pred)])  # fmt: skip
+        if "bound_ratio" in rows[0]:
+            low = min(r["bound_ratio"] for r in rows)
+            claims.append(Claim(f"{name}: no row below its measured bound", low >= 1.0, _x(low)))
+            best = _best(ours, lambda r: True)["bound_ratio"]
+            claims.append(Claim(f"{name}: the best row within 1.10x of its measured bound", best <= 1.10, _x(best)))  # fmt: skip
+        if auto:
+            claims.append(Claim(f"{name}: auto's step choice within 5% of the best row", auto["vs_best"] <= 1.05, _x(auto["vs_best"])))  # fmt: skip
+        if check:
+            err = check["median_abs_error"]
+            claims.append(Claim(f"{name}: simulated steps' median |error| within 15%", err <= 0.15, f"{100 * err:.1f}%"))  # fmt: skip
     cols = ["row", "configuration", "median ms", "compute ms (loopback)", "network ms (eth0)",
-            "/ measured bound"]  # fmt: skip
+            "/ measured bound", "predicted ms"]  # fmt: skip
     return Table(cols, out, claims)
+
+
+def _planned(rows: list[dict], plan: dict) -> dict:
+    """The row (window 1) that runs `plan` (`StepPlan.row()`)."""
+    return next(
+        r for r in rows if r.get("grad_window", 1) == 1 and all(r[k] == v for k, v in plan.items())
+    )
 
 
 # --- train ------------------------------------------------------------------------------------

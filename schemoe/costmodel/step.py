@@ -48,7 +48,6 @@ __all__ = [
     "StepShape",
     "allreduce_time",
     "block_forward",
-    "explore_step",
     "predict_step",
 ]
 
@@ -284,36 +283,3 @@ def predict_step(
     a2a_s = sum(b - a for a, b in a2a) * 2 * sum(shape.is_moe(i) for i in range(shape.layers))
     buckets = sum(d for ds in by_seg.values() for d in ds)
     return StepPrediction(forward, backward, optimizer, a2a_s + buckets)
-
-
-def explore_step(
-    hw: Hardware,
-    shape: StepShape,
-    *,
-    policies: tuple[str, ...] = ("sequential", "tutel", "fastermoe", "schemoe"),
-    chunks: tuple[int, ...] = (1, 2, 4, 8),
-    grad_syncs: tuple[str, ...] = ("ddp", "scheduled"),
-    grad_compressors: tuple[str, ...] = ("none",),
-    algorithm: str = "naive",
-    grad_algorithm: str = "flat",
-    bucket_bytes: float = 1 << 20,
-) -> list[tuple[dict, StepPrediction]]:
-    """Every (policy, r, grad sync, grad compressor) candidate's predicted step, fastest first;
-    the first is what auto would run for the step. Policies whose partition cannot take r
-    chunks on hw.world ranks are left out."""
-    out = []
-    for pol in policies:
-        for r in chunks:
-            if POLICIES.get(pol).partition == Partition.PEERS and r > hw.world:
-                continue
-            for sync in grad_syncs:
-                for comp in grad_compressors:
-                    pred = predict_step(
-                        hw, shape, pol, algorithm, r, grad_sync=sync, grad_compress=comp,
-                        grad_algorithm=grad_algorithm if sync == "scheduled" else "flat",
-                        bucket_bytes=bucket_bytes,
-                    )  # fmt: skip
-                    row = {"policy": pol, "chunks": r, "grad_sync": sync, "grad_compress": comp}
-                    out.append((row, pred))
-    out.sort(key=lambda rp: rp[1].step_s)
-    return out

@@ -16,8 +16,8 @@ import dataclasses
 import json
 
 from ..costmodel.hardware import Hardware
-from ..costmodel.stack import predict_stack_step
-from ..costmodel.step import StepShape, explore_step
+from ..costmodel.plans import plan_grid, rank_plans
+from ..costmodel.step import StepShape
 
 __all__ = ["add_arguments", "run", "shape_of"]
 
@@ -69,30 +69,26 @@ def run(args: argparse.Namespace, hw: Hardware) -> int:
         )
     shape = shape_of(StepShape, args, hw)
     shape.layer()  # the MoE layer's shape checks its own fields
-    chunks = tuple(r for r in (1, 2, 4, 8, 16) if r <= args.max_chunks)
-    preds = explore_step(
-        hw, shape, chunks=chunks, grad_syncs=args.grad_syncs,
-        grad_compressors=args.grad_compressors, algorithm=args.algorithm,
-        grad_algorithm=args.grad_algorithm, bucket_bytes=args.bucket_mb * 2**20,
-    )  # fmt: skip
-    preds = [({**row, "micro_chunks": 1}, p) for row, p in preds]
-    for m in args.micro_chunks:  # the blocks as a wavefront stack (costmodel/stack.py)
-        if m == 1:
-            continue
+    for m in args.micro_chunks:
         if m < 1 or shape.batch % m:
             raise ValueError(f"--micro-chunks {m} must be >= 1 and divide --batch {shape.batch}")
-        for row, _ in [rp for rp in preds if rp[0]["micro_chunks"] == 1]:
-            pred = predict_stack_step(
-                hw, shape, row["policy"], args.algorithm, row["chunks"], micro=m,
-                grad_sync=row["grad_sync"], grad_compress=row["grad_compress"],
-                bucket_bytes=args.bucket_mb * 2**20,
-                grad_algorithm=args.grad_algorithm if row["grad_sync"] == "scheduled" else "flat",
-            )  # fmt: skip
-            preds.append(({**row, "micro_chunks": m}, pred))
-    preds.sort(key=lambda rp: rp[1].step_s)
+    plans = plan_grid(
+        ("sequential", "tutel", "fastermoe", "schemoe"),
+        tuple(r for r in (1, 2, 4, 8, 16) if r <= args.max_chunks),
+        (1, *(m for m in args.micro_chunks if m != 1)), args.grad_syncs, args.grad_compressors,
+        world=hw.world, batch=shape.batch,
+    )  # fmt: skip
+    preds = rank_plans(
+        hw, shape, plans, algorithm=args.algorithm, grad_algorithm=args.grad_algorithm,
+        bucket_bytes=args.bucket_mb * 2**20,
+    )  # fmt: skip
     rows = [
-        {**row, "predicted_ms": round(p.step_s * 1e3, 3), "network_ms": round(p.network_s * 1e3, 3)}
-        for row, p in preds
+        {
+            **plan.row(),
+            "predicted_ms": round(p.step_s * 1e3, 3),
+            "network_ms": round(p.network_s * 1e3, 3),
+        }
+        for plan, p in preds
     ]
     print(
         f"# schemoe simulate --step: preset {hw.name}, {hw.nodes} x {hw.ranks_per_node} ranks, "

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from ..costmodel.hardware import Hardware
-from ..costmodel.stack import predict_stack_step
-from ..costmodel.step import StepShape, predict_step
+from ..costmodel.plans import StepPlan, predict_plan
+from ..costmodel.step import StepShape
 
 __all__ = ["dims", "is_step_row", "point"]
 
@@ -38,22 +38,15 @@ def shape_of(cfg: dict) -> StepShape:
 
 
 def point(cfg: dict, row: dict, hw: Hardware) -> dict:
-    """The row's measured and predicted step, ms, and the relative error (micro-chunk rows by
-    the stack model, `costmodel.stack.predict_stack_step`)."""
-    shape, policy, algorithm, r = shape_of(cfg), row["policy"], cfg["algorithm"], int(row["chunks"])
-    bucket = float(cfg.get("bucket_mb", 1.0)) * 2**20
-    grad_algorithm = cfg.get("grad_algorithm", "flat") if row["grad_sync"] != "ddp" else "flat"
+    """The row's measured and predicted step, ms, and the relative error (`costmodel.plans`:
+    micro-chunk rows by the stack model)."""
     m = int(row.get("micro_chunks", 1))
-    if m > 1:
-        pred = predict_stack_step(
-            hw, shape, policy, algorithm, r, micro=m, grad_sync=row["grad_sync"],
-            grad_compress=row["grad_compress"], grad_algorithm=grad_algorithm, bucket_bytes=bucket,
-        )  # fmt: skip
-    else:
-        pred = predict_step(
-            hw, shape, policy, algorithm, r, grad_sync=row["grad_sync"],
-            grad_compress=row["grad_compress"], grad_algorithm=grad_algorithm, bucket_bytes=bucket,
-        )  # fmt: skip
+    plan = StepPlan(row["policy"], int(row["chunks"]), m, row["grad_sync"], row["grad_compress"])
+    pred = predict_plan(
+        hw, shape_of(cfg), plan, algorithm=cfg["algorithm"],
+        grad_algorithm=cfg.get("grad_algorithm", "flat"),
+        bucket_bytes=float(cfg.get("bucket_mb", 1.0)) * 2**20,
+    )  # fmt: skip
     pred = pred.step_s * 1e3
     return {
         "policy": row["policy"],
