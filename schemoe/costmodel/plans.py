@@ -16,8 +16,8 @@ flat).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
 
 from ..routing.layout import Partition
 from ..scheduling import POLICIES
@@ -45,13 +45,8 @@ class StepPlan:
         return f"{self.policy}/r{self.chunks}{m}/{self.grad_sync}/{self.grad_compress}"
 
     def row(self) -> dict:
-        return {
-            "policy": self.policy,
-            "chunks": self.chunks,
-            "micro_chunks": self.micro_chunks,
-            "grad_sync": self.grad_sync,
-            "grad_compress": self.grad_compress,
-        }
+        """The plan as bench step's row columns."""
+        return asdict(self)
 
 
 def plan_grid(
@@ -84,9 +79,13 @@ def predict_plan(
     *,
     algorithm: str = "naive",
     grad_algorithm: str = "flat",
-    bucket_bytes: float = 1 << 20,
+    bucket_bytes: float | Mapping[str, float] = 1 << 20,
 ) -> StepPrediction:
-    """The predicted step of `plan` (module docstring)."""
+    """The predicted step of `plan` (module docstring). `bucket_bytes`: one size for every
+    plan, or one per gradient sync (`schemoe train`'s defaults differ: {"ddp": 25 MiB,
+    "scheduled": 1 MiB})."""
+    if isinstance(bucket_bytes, Mapping):
+        bucket_bytes = bucket_bytes[plan.grad_sync]
     options = {
         "grad_sync": plan.grad_sync,
         "grad_compress": plan.grad_compress,

@@ -10,8 +10,10 @@ vocabulary, P ranks, R ranks per node, S bytes of one bucket.
 Costs (forward; backward is twice the FLOPs; every GEMM also costs gemm_alpha):
     attention   2 T M 3M (qkv) + 2 T M M (proj) + 4 T L M (scores and values, causal, dense)
     dense FFN   2 T M H x 2
-    head        2 T M V, and its softmax / cross-entropy as 3 T V 4 bytes of memory traffic
-    norms etc.  12 T M 4 bytes per block of memory traffic (two layer norms, residuals)
+    head        2 T M V, and its softmax / cross-entropy as 3 T V 4 bytes streamed
+    norms etc.  12 T M 4 bytes per block streamed (two layer norms, residuals)
+Streamed bytes are elementwise passes at the stream rate (an in-place add, `schemoe profile`'s
+"stream"), not the row-gather rate ("memory") the layer's encode and decode copy at.
     optimizer   AdamW: 16 bytes per parameter read and 12 written, at the stream rate
 An all-reduce of S bytes (`allreduce_time`), ring over the world (flat) or reduce / leaders'
 ring / broadcast (hier): each node's link carries 2 (n - 1) / n S for a ring of n members, with
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from ..routing.layout import Partition
 from ..scheduling import POLICIES
 from .hardware import Hardware
-from .model import LayerShape, copy_time
+from .model import LayerShape
 from .prediction import predict
 
 __all__ = [
@@ -119,7 +121,7 @@ def block_forward(hw: Hardware, sh: StepShape, moe: bool) -> float:
     """Seconds of one block's dense forward: attention and norms (and the dense FFN if not moe)."""
     T, L, M, H = sh.tokens, sh.seq_len, sh.model_dim, sh.hidden
     t = _gemm(hw, 2 * T * M * 3 * M + 2 * T * M * M + 4 * T * L * M, 4)
-    t += copy_time(hw, 12 * T * M * 4) * hw.compute_factor
+    t += 12 * T * M * 4 / hw.stream_rate * hw.compute_factor
     if not moe:
         t += _gemm(hw, 2 * T * M * H * 2, 2)
     return t
@@ -173,7 +175,7 @@ def wire_ratio(grad_compress: str) -> float:
 def head_time(hw: Hardware, shape: StepShape) -> float:
     """The output head's forward: the logits GEMM and softmax / cross-entropy traffic."""
     T, M, V = shape.tokens, shape.model_dim, shape.vocab
-    return _gemm(hw, 2 * T * M * V, 1) + copy_time(hw, 3 * T * V * 4) * hw.compute_factor
+    return _gemm(hw, 2 * T * M * V, 1) + 3 * T * V * 4 / hw.stream_rate * hw.compute_factor
 
 
 def optimizer_time(hw: Hardware, shape: StepShape) -> float:

@@ -107,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m("--micro-chunks", type=micro_chunks_arg,
       help="m: the batch cut into m micro-chunks pipelined through the blocks (1: off); auto: "
            "the stack's cost model chooses m before the model is built")  # fmt: skip
+    m("--auto-step", action="store_true",
+      help="one plan for the whole step, chosen by the step's cost model before the model is "
+      "built: --policy, --chunks, --micro-chunks and --grad-sync (--grad-compressor stays); the "
+      "choice and its reason are printed")  # fmt: skip
     m("--budget", choices=("lossless", "fp16", "lossy"),
       help="auto and --replan: the compressors they may choose")  # fmt: skip
     m("--trials", type=int,

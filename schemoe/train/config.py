@@ -175,6 +175,7 @@ class TrainConfig:
     policy: str = "schemoe"
     chunks: int = 2
     micro_chunks: int | str = 1
+    auto_step: bool = False
     activation_checkpointing: bool = False
     budget: str = "lossless"
     trials: int = 5
@@ -277,6 +278,9 @@ class TrainConfig:
                 raise ValueError(f"--micro-chunks must be an int >= 1 or auto, got {m!r}")
             if self.batch % m:
                 raise ValueError(f"--batch {self.batch} must be divisible by --micro-chunks {m}")
+        if self.auto_step and (self.policy in ("auto", "search") or m == "auto"):
+            given = f"--policy {self.policy}" if m != "auto" else "--micro-chunks auto"
+            raise ValueError(f"--auto-step chooses the policy, r and m itself: drop {given}")
         if (m == "auto" or m > 1) and self.policy in ("auto", "search"):
             raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
         if (m == "auto" or m > 1) and self.shared_experts:  # the stack has no S task yet

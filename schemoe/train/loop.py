@@ -328,9 +328,10 @@ def _summary(run: Run) -> dict:
         "grad_accum": cfg.grad_accum,
         **{
             k: getattr(cfg, k)
-            for k in ("policy", "chunks", "micro_chunks", "algorithm", "compressor")
+            for k in ("policy", "chunks", "micro_chunks", "grad_sync", "algorithm", "compressor")
         },
         "micro_chunks_auto": run.auto_micro,  # --micro-chunks auto: {"chosen", "predicted_ms"}
+        "auto_step": run.auto_step,  # --auto-step: {"chosen", "plan", "reason", "predicted_ms"}
         "moe_layers": [m.running.summary() for m in run.moe],  # what runs ("auto": its choice)
         "replans": [s.as_dict() for s in run.replanner.history] if run.replanner else None,
         "step_time_s": {k: round(v, 6) for k, v in mean.items()},

@@ -12,18 +12,17 @@ import torch
 from torch import nn
 
 from ..checkpoint import store as checkpoint
-from ..costmodel.step import StepShape
 from ..dist.devices import local_device
-from ..dist.topology import Topology, launcher_local_rank
+from ..dist.topology import launcher_local_rank
 from ..layer.moe import MoELayer
 from ..layer.parallel import ExpertParallel, ddp_ignore_experts, init_expert_parallel
 from ..step.gradsync import data_parallel
 from ..tuning.auto import AutoTuner
-from ..tuning.micro import choose_micro_chunks
 from ..tuning.replan import Replanner
 from .checks import HELD_OUT
 from .config import TrainConfig
 from .model import GPT, GPTConfig, batch, eval_windows, load_corpus
+from .plan import auto_micro, auto_step
 from .report import Metrics, Progress
 
 __all__ = ["PARTS", "Run", "optimizer", "replanner", "restore", "setup"]
@@ -40,23 +39,6 @@ def optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.O
         lr=lr,
         betas=(0.9, 0.95),
     )
-
-
-def _auto_micro(cfg: TrainConfig, world: int, ep_group, rank: int) -> tuple[int, dict]:
-    """--micro-chunks auto: (m from the stack's cost model (tuning/micro.py), the same on every
-    rank; the record of the choice with each candidate's prediction). Rank 0 logs it."""
-    topo = Topology.from_group(ep_group, cfg.ranks_per_node)
-    shape = StepShape(
-        batch=cfg.batch, seq_len=cfg.seq_len, model_dim=cfg.model_dim, hidden=cfg.hidden_dim,
-        layers=cfg.layers, heads=cfg.heads, moe_every=cfg.moe_every,
-        experts=cfg.num_experts(world), top_k=cfg.top_k,
-        capacity_factor=cfg.capacity_factor or 1.0,
-    )  # fmt: skip
-    m, preds = choose_micro_chunks(shape, cfg.policy, cfg.algorithm, cfg.chunks, topo)
-    if rank == 0:
-        shown = ", ".join(f"m={k}: {v:.3f} ms" for k, v in preds.items())
-        print(f"micro-chunks auto: m = {m} (predicted blocks' step: {shown})", flush=True)
-    return m, {"chosen": m, "predicted_ms": {str(k): v for k, v in preds.items()}}
 
 
 @dataclass
@@ -78,6 +60,7 @@ class Run:
     moe: list[MoELayer]
     metrics: Metrics | None
     auto_micro: dict | None
+    auto_step: dict | None
     tuner: AutoTuner
     replanner: Replanner | None = None
     losses: list[float] = field(default_factory=list)
@@ -109,16 +92,19 @@ class Run:
 
 
 def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
-    """Device, groups, --micro-chunks auto, the corpus, the model (seeded: the same dense init on
+    """Device, groups, --auto-step and --micro-chunks auto (train/plan.py), the corpus, the model (seeded: the same dense init on
     every rank, experts seeded per expert), its data-parallel wrapper (DDP, or --fsdp: the
     model itself, sharded in place, so `model is core`) and the optimizer."""
     dev = local_device(cfg.device, launcher_local_rank(rank))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     ep = init_expert_parallel(cfg.ep_size or world)  # every rank: all EP and DP groups
+    step_choice = None
+    if cfg.auto_step:  # one plan for the step: policy, r, m, gradient sync (train/plan.py)
+        cfg, step_choice = auto_step(cfg, world, ep.ep_group, rank)
     m, auto = cfg.micro_chunks, None
     if m == "auto":
-        m, auto = _auto_micro(cfg, world, ep.ep_group, rank)
+        m, auto = auto_micro(cfg, world, ep.ep_group, rank)
     cfg = cfg.resolved(world, m)
     torch.manual_seed(cfg.seed)  # same dense init on every rank; experts seed per expert
     data = load_corpus(cfg.corpus, cfg.corpus_bytes)
@@ -153,7 +139,7 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     windows = eval_windows(data[split:], cfg.eval_seqs, cfg.seq_len, rank, world)
     return Run(cfg=cfg, rank=rank, world=world, dev=dev, ep=ep, core=core, model=model,
                 opt=opt, g=g, train_data=data[:split], windows=windows, moe=moe,
-                metrics=metrics, auto_micro=auto, tuner=tuner)  # fmt: skip
+                metrics=metrics, auto_micro=auto, auto_step=step_choice, tuner=tuner)  # fmt: skip
 
 
 def replanner(run: Run) -> Replanner | None:

@@ -19,7 +19,8 @@ from ..costmodel.stack import choose_micro
 from ..costmodel.step import StepShape
 from ..dist.links import Links
 from ..dist.topology import Topology
-from .plan import from_rank0, plan_record
+from .plan import from_rank0
+from .stepplan import step_record
 
 __all__ = ["CANDIDATES", "choose_micro_chunks"]
 
@@ -38,13 +39,7 @@ def choose_micro_chunks(
     path: str | None = None,
 ) -> tuple[int, dict[int, float]]:
     """(m, {candidate m: predicted blocks' forward + backward ms}); collective over topo.group."""
-    if hardware is None:
-        hardware, _ = plan_record(
-            topo, links if links is not None else Links.of_run(), path,
-            model_dim=shape.model_dim, hidden=shape.hidden, tokens=shape.tokens,
-            experts=shape.experts,
-        )  # fmt: skip
-    hw = hardware.with_topology(topo.nodes, topo.ranks_per_node)
+    hw = step_record(shape, topo, hardware=hardware, links=links, path=path)
 
     def decide() -> tuple[int, dict[int, float]]:
         best, preds = choose_micro(hw, shape, policy, algorithm, chunks, candidates=CANDIDATES)

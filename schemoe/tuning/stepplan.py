@@ -24,7 +24,7 @@ from ..dist.links import Links
 from ..dist.topology import Topology
 from .plan import from_rank0, plan_record
 
-__all__ = ["StepChoice", "choose_step", "decide"]
+__all__ = ["StepChoice", "choose_step", "decide", "step_record"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,25 @@ def decide(hw: Hardware, shape: StepShape, plans: Sequence[StepPlan], **options)
     return StepChoice(ranked[0][0], ranked[0][1], ranked)
 
 
+def step_record(
+    shape: StepShape,
+    topo: Topology,
+    *,
+    hardware: Hardware | None = None,
+    links: Links | None = None,
+    path: str | None = None,
+) -> Hardware:
+    """`hardware`, else the record the run plans on at the step's MoE shape (`plan.plan_record`:
+    collective over topo.group), on `topo`'s nodes and ranks per node."""
+    if hardware is None:
+        hardware, _ = plan_record(
+            topo, links if links is not None else Links.of_run(), path,
+            model_dim=shape.model_dim, hidden=shape.hidden, tokens=shape.tokens,
+            experts=shape.experts,
+        )  # fmt: skip
+    return hardware.with_topology(topo.nodes, topo.ranks_per_node)
+
+
 def choose_step(
     shape: StepShape,
     plans: Sequence[StepPlan],
@@ -68,12 +87,7 @@ def choose_step(
     path: str | None = None,
     **options,
 ) -> StepChoice:
-    """`decide` on the run's record, the same on every rank (collective over topo.group)."""
-    if hardware is None:
-        hardware, _ = plan_record(
-            topo, links if links is not None else Links.of_run(), path,
-            model_dim=shape.model_dim, hidden=shape.hidden, tokens=shape.tokens,
-            experts=shape.experts,
-        )  # fmt: skip
-    hw = hardware.with_topology(topo.nodes, topo.ranks_per_node)
+    """`decide` on the run's record (`step_record`), the same on every rank (collective over
+    topo.group)."""
+    hw = step_record(shape, topo, hardware=hardware, links=links, path=path)
     return from_rank0(lambda: decide(hw, shape, plans, **options), topo)
