@@ -24,11 +24,11 @@ HW = preset("local").with_topology(2, 2)
 OPTIONS = {"algorithm": "naive", "grad_algorithm": "hier", "bucket_bytes": 2**20}
 
 
-def _grid(**kw) -> list[StepPlan]:
+def _grid(world: int = 4, **kw) -> list[StepPlan]:
     axes = {"policies": ("sequential", "fastermoe", "schemoe"), "chunks": (1, 4, 8),
             "micro_chunks": (1, 2, 3), "grad_syncs": ("ddp", "scheduled"),
             "grad_compressors": ("none", "bf16")} | kw  # fmt: skip
-    return plan_grid(*axes.values(), world=4, batch=8)
+    return plan_grid(*axes.values(), world=world, batch=8)
 
 
 def test_the_grid_keeps_the_given_order_and_leaves_out_what_cannot_run():
@@ -79,13 +79,15 @@ def _choose(rank: int, world: int) -> tuple[str, float]:
     # Each rank holds another record: only rank 0's decides, every rank builds the same step.
     hw = preset("local" if rank == 0 else "paper-32gpu").with_topology(1, world)
     topo = Topology.from_group(None, world)
-    choice = choose_step(SHAPE, _grid(micro_chunks=(1, 2)), topo, hardware=hw, **OPTIONS)
+    choice = choose_step(SHAPE, _grid(world, micro_chunks=(1, 2)), topo, hardware=hw, **OPTIONS)
     return choice.plan.name, choice.predicted_ms
 
 
 def test_every_rank_takes_rank_0s_choice(ranks):
     got = ranks(2).run(_choose)
-    own = decide(preset("local").with_topology(1, 2), SHAPE, _grid(micro_chunks=(1, 2)), **OPTIONS)
+    own = decide(
+        preset("local").with_topology(1, 2), SHAPE, _grid(2, micro_chunks=(1, 2)), **OPTIONS
+    )
     assert got[0] == got[1] == (own.plan.name, own.predicted_ms)
 
 
