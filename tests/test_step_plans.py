@@ -11,12 +11,14 @@ import pytest
 from test_bench_bound import TINY, _parse
 
 from schemoe.bench import autostep
+from schemoe.bench import step as bench_step
 from schemoe.costmodel import preset, profiles
 from schemoe.costmodel.plans import StepPlan, plan_grid, predict_plan, rank_plans
 from schemoe.costmodel.stack import predict_stack_step
 from schemoe.costmodel.step import StepShape, predict_step
 from schemoe.dist.topology import Topology
 from schemoe.profile.steps import shape_of
+from schemoe.train import checks
 from schemoe.tuning.stepplan import choose_step, decide
 
 SHAPE = StepShape(batch=8, seq_len=64, model_dim=256, hidden=512, layers=4, experts=8, top_k=2)
@@ -150,3 +152,13 @@ def test_auto_step_refuses_before_any_rank_starts(capfd, tmp_path, argv, message
         assert (
             "it holds: 2x1@inter=unshaped,intra=unshaped" in err[0] and "schemoe profile" in err[0]
         )
+
+
+def test_bench_step_counts_every_rows_model_against_the_memory(capfd, monkeypatch):
+    monkeypatch.setattr(checks, "available_memory", lambda: 2**20)  # 1 MiB available
+    args = _parse(["bench", "step", "--nproc", "2", *TINY, "--policies", "sequential,schemoe",
+                   "--grad-syncs", "ddp,scheduled", "--grad-windows", "1,2", "--peer", "deepspeed"])  # fmt: skip
+    assert bench_step.row_count(args) == 2 * (1 + 2) + 1  # DDP rows once, scheduled per window
+    assert args.func(args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the grid's 7 rows" in err[0] and "more than the 0.0 GiB" in err[0]

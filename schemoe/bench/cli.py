@@ -27,7 +27,13 @@ from ..config import GateConfig
 from ..costmodel.profiles import cache_key
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
-from ..train.checks import TRAIN_BYTES_PER_PARAM, check_chunk_rows, fits_in_memory, moe_layer_params
+from ..train.checks import (
+    TRAIN_BYTES_PER_PARAM,
+    check_chunk_rows,
+    fits_in_memory,
+    moe_layer_params,
+    train_params,
+)
 from . import a2a, autostep, bound, compress, layer, output, regen, replan, step
 
 __all__ = ["BenchEnv", "register"]
@@ -173,19 +179,20 @@ def _check_world(name: str, args: argparse.Namespace, env: BenchEnv, world: int)
 def _check_size(name: str, args: argparse.Namespace, experts: int, world: int) -> None:
     """The checks `schemoe train` makes of the same flags (train/checks.py): the weights and
     gradients of `world` ranks fit in this machine's memory (bench layer's compute part builds
-    all E experts on every rank; bench step's model is the trainer's, with AdamW), and no --chunks
-    entry cuts a layer call into more chunks than it has rows."""
-    per_layer = moe_layer_params(
-        args.model_dim, args.hidden_dim, experts, 1 if name == "layer" else world
-    )
+    all E experts on every rank; bench step builds the trainer's model, with AdamW, once per
+    row and once more, with all E experts, for its compute part), and no --chunks entry cuts a
+    layer call into more chunks than it has rows."""
     sized = f"--experts {experts}, --model-dim {args.model_dim}, --hidden-dim {args.hidden_dim}"
     if name == "layer":
-        params, each, held = per_layer, 8, "fp32 weights and gradients"
+        params = moe_layer_params(args.model_dim, args.hidden_dim, experts, 1)
+        each, held = 8, "fp32 weights and gradients"
         tokens, t_flags = args.tokens, f"--tokens {args.tokens}"
     else:  # the fewest tokens a layer call routes: the batch cut into the most micro-chunks
-        params, each = per_layer * (args.layers // args.moe_every), TRAIN_BYTES_PER_PARAM
-        held = "fp32 weights, gradients and AdamW's two moments"
-        sized += f", --layers {args.layers}"
+        rows = step.row_count(args)
+        params = rows * train_params(args, experts, world) + train_params(args, experts, 1)
+        each = TRAIN_BYTES_PER_PARAM
+        held = f"{rows} rows' models and the compute part's: fp32 weights, gradients, AdamW state"
+        sized += f", --layers {args.layers} and the grid's {rows} rows"
         m = max(args.micro_chunks)
         tokens = args.batch * args.seq_len // m
         t_flags = f"--batch {args.batch} x --seq-len {args.seq_len}" + (

@@ -51,7 +51,7 @@ from ..tuning.auto import TUNED, AutoTuner
 from . import autostep, bound, output, parts
 from .layer import _deepspeed, check_optional
 
-__all__ = ["add_arguments", "bench", "timed_step", "validate"]
+__all__ = ["add_arguments", "bench", "row_count", "timed_step", "validate"]
 
 
 def _csv(text: str) -> list[str]:
@@ -132,6 +132,14 @@ def validate(args: argparse.Namespace) -> None:
         )
     autostep.validate(args)
     check_optional(args)
+
+
+def row_count(args: argparse.Namespace) -> int:
+    """The rows `_candidates` builds a model for: the grid (DDP rows once, not per window) and
+    the peers."""
+    syncs = sum(len(args.grad_window) if s == "scheduled" else 1 for s in args.grad_sync)
+    grid = len(args.policies) * len(args.chunks) * len(args.micro_chunks) * len(args.grad_compress)
+    return grid * syncs + len(args.peer)
 
 
 def _moe_config(args, rpn: int, policy: str = "sequential", r: int = 1) -> c.MoEConfig:

@@ -308,7 +308,7 @@ def step_bound(texts: Sequence[str], names: Sequence[str]) -> Table:
     prediction; claims on the bound, auto's choice and the simulator's median error."""
     runs = [last_json(t) for t in texts]
     benches = [j for j in runs if "results" in j]
-    checks = [j for j in runs if "points" in j] or [None] * len(benches)
+    checks = [j for j in runs if "median_abs_error" in j] or [None] * len(benches)
     out, claims = [], []
     for name, js, check in zip(names, benches, checks):
         rows = js["results"]

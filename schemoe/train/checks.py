@@ -42,6 +42,7 @@ __all__ = [
     "check_settings",
     "fits_in_memory",
     "moe_layer_params",
+    "train_params",
     "usable_cores",
 ]
 
@@ -183,7 +184,7 @@ def check_machine(cfg, world: int | None) -> None:
         f" / --micro-chunks {m}" if m > 1 else ""
     )
     fits_in_memory(
-        _train_params(cfg, experts, ep),
+        train_params(cfg, experts, ep),
         TRAIN_BYTES_PER_PARAM,
         int(os.environ.get("LOCAL_WORLD_SIZE", ranks)),  # the launcher's ranks on this node
         f"--experts {experts}, --model-dim {cfg.model_dim}, --hidden-dim {cfg.hidden_dim}, "
@@ -195,14 +196,20 @@ def check_machine(cfg, world: int | None) -> None:
     check_corpus_text(cfg.corpus, cfg.corpus_bytes)
 
 
-def _train_params(cfg, experts: int, ep: int) -> int:
-    """Parameters per rank of the GPT a TrainConfig builds (model.GPT): embeddings, per block
-    attention and two norms, MoE layers (moe_layer_params) or dense FFNs, the final norm."""
+def train_params(cfg, experts: int, ep: int) -> int:
+    """Parameters per rank of the GPT a TrainConfig (or bench step's flags) builds (model.GPT):
+    embeddings, per block attention and two norms, MoE layers (moe_layer_params) or dense FFNs,
+    the final norm."""
     M, H = cfg.model_dim, cfg.hidden_dim
     moe_blocks = cfg.layers // cfg.moe_every
     dense_blocks = cfg.layers - moe_blocks
     moe = moe_layer_params(
-        M, H, experts, ep, swiglu=cfg.activation == "swiglu", bias=cfg.expert_bias
+        M,
+        H,
+        experts,
+        ep,
+        swiglu=getattr(cfg, "activation", "gelu") == "swiglu",
+        bias=getattr(cfg, "expert_bias", False),
     )
     per_block = 4 * M * M + 4 * M
     return (
