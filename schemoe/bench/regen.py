@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import paste
-from .figures import CLI, FIGURES, Figure, Step, by_name
+from .figures import CLI, FIGURES, PENDING, Figure, Step, by_name
 from .tables import Table
 
 __all__ = [
@@ -227,7 +227,7 @@ def compare(dir1: Path, dir2: Path) -> str:
             "Rule: a claim stands only where it holds in both runs.\n"
         ),
     ]
-    for f in FIGURES:
+    for f in FIGURES + PENDING:  # pending figures too: compared, not pasted (`blocks`)
         body = compare_figure(f, dir1, dir2)
         if body is not None:
             lines.append(f"## {f.name}: {f.title}\n\n{body}")
