@@ -232,6 +232,25 @@ def test_the_paste_option_writes_every_file_or_none(tmp_path):
         regen.run(_args(paste=[str(good)]))
 
 
+def test_paste_only_replaces_the_named_figures_and_leaves_the_other_blocks_from_their_runs(
+    tmp_path,
+):
+    a = _run_dir(tmp_path / "a", 440.0, 320.0)
+    b = _run_dir(tmp_path / "b", 380.0, 300.0)
+    doc = tmp_path / "doc.md"
+    other = "<!-- report:overhead -->\nfrom other runs\n<!-- /report:overhead -->\n"
+    doc.write_text(DOC + other)  # `overhead` is in neither run: pasted alone it would fail
+    regen.run(_args(compare=[str(a), str(b)], paste=[str(doc)], only="layer_400mbit"))
+    text = doc.read_text()
+    assert "1.38x / 1.27x" in text and text.endswith(other)
+    with pytest.raises(ValueError, match="unknown figure"):
+        regen.run(_args(compare=[str(a), str(b)], paste=[str(doc)], only="nope"))
+    doc.write_text(DOC)
+    with pytest.raises(ValueError, match="--only overhead: no <!-- report:NAME --> mark"):
+        regen.run(_args(compare=[str(a), str(b)], paste=[str(doc)], only="overhead"))
+    assert doc.read_text() == DOC
+
+
 def test_paste_without_files_pastes_into_the_docs_that_hold_the_figures(tmp_path, monkeypatch):
     a = _run_dir(tmp_path / "a", 440.0, 320.0)
     b = _run_dir(tmp_path / "b", 380.0, 300.0)

@@ -17,7 +17,6 @@ from schemoe.tiers import TIERS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-RUNS = (RESULTS / "report_2026-12-04_run1", RESULTS / "report_2026-12-04_run2")
 README = ROOT / "README.md"
 PKG = ROOT / "schemoe"
 _INSTALL = "python3 -m venv .venv && .venv/bin/pip install -r requirements-dev.txt -e . && "
@@ -26,11 +25,20 @@ SETUP = (_INSTALL + ".venv/bin/schemoe train", _INSTALL + ".venv/bin/python -m p
 
 @pytest.mark.parametrize("name", paste.TARGETS)
 def test_pasting_the_committed_report_runs_again_changes_nothing(name):
-    p = ROOT / name
-    text = p.read_text()
-    assert paste.paste(text, regen.blocks(*RUNS), name) == text, (
-        f"{name}: run the --paste command again"
-    )
+    """Each block against the two runs its `Runs: 1 = `A`, 2 = `B`` line names (docs/results/A, B)."""
+    text = (ROOT / name).read_text()
+    by_runs: dict[tuple[str, str], list[str]] = {}
+    block = r"^<!-- report:(\w+) -->\n(.*?)^<!-- /report:\1 -->$"
+    for m in re.finditer(block, text, re.DOTALL | re.MULTILINE):
+        runs = re.search(r"^Runs: 1 = `([^`]+)`, 2 = `([^`]+)`", m.group(2), re.MULTILINE)
+        assert runs, f"{name}: the block of {m.group(1)} names no runs: paste it"
+        by_runs.setdefault(runs.groups(), []).append(m.group(1))
+    for runs, names in by_runs.items():
+        found = regen.blocks(RESULTS / runs[0], RESULTS / runs[1])
+        assert paste.paste(text, found, name, names) == text, (
+            f"{name}: run `schemoe bench report --compare docs/results/{runs[0]} "
+            f"docs/results/{runs[1]} --paste {name} --only {','.join(names)}` again"
+        )
 
 
 def test_every_figure_of_the_report_is_shown_in_exactly_one_paste_target():

@@ -4,9 +4,8 @@ table maker (`schemoe.bench.tables`). `{out}` in an argument is the report's out
 `{home}` the figure's own empty HOME (`Step.fresh_home`: auto and --predict read the profile
 store there).
 
-PENDING figures are declared and run with `schemoe bench report --testbed --only NAME`, but are
-not in the default run nor pasted (`FIGURES`) until a doc holds their `<!-- report:NAME -->`
-block (tests/test_readme_results.py: every figure of FIGURES is shown in one paste target).
+The measured-bound figures (`step_bound_*`, `step_auto_400mbit_m512`) came after the full report
+runs of 2026-12-04: their blocks were pasted from runs of their own (`--paste --only NAMES`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from functools import partial
 
 from . import tables
 
-__all__ = ["FIGURES", "PENDING", "Figure", "Step", "TestbedSpec", "by_name"]
+__all__ = ["FIGURES", "Figure", "Step", "TestbedSpec", "by_name"]
 
 CLI = ("-m", "schemoe.cli")
 
@@ -278,14 +277,20 @@ def _auto_step_figure() -> Figure:
                   TestbedSpec("400mbit"), steps, 12, partial(tables.step_bound, names=("2x2",)))  # fmt: skip
 
 
-FIGURES = _transfer_figures() + _step_figures() + _cost_figures()
-PENDING = [_bound_figure("600mbit"), _bound_figure("200mbit"), _auto_step_figure()]
+FIGURES = [
+    *_transfer_figures(),
+    *_step_figures(),
+    *_cost_figures(),
+    _bound_figure("600mbit"),
+    _bound_figure("200mbit"),
+    _auto_step_figure(),
+]
 
 
 def by_name(names: Sequence[str]) -> list[Figure]:
-    """The figures named (FIGURES, then PENDING), in that order; unknown names: ValueError naming them and the known."""
-    known = {f.name: f for f in FIGURES + PENDING}
+    """The figures named, in FIGURES' order; unknown names: ValueError naming them and the known."""
+    known = {f.name: f for f in FIGURES}
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown figure(s) {', '.join(bad)}; known: {', '.join(known)}")
-    return [f for f in FIGURES + PENDING if f.name in names]
+    return [f for f in FIGURES if f.name in names]

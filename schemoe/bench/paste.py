@@ -10,7 +10,9 @@ cells show, the compared table and each claim's verdict), everything outside is 
     <!-- /report:layer_400mbit -->
 
 So the tables in the docs are the report's output, not copies of it: pasting again from the same
-runs changes nothing (a test checks that for the committed files). `TARGETS` are the files that
+runs changes nothing (a test checks that for the committed files, each block against the two runs
+its `Runs:` line names). `--only NAMES` pastes those figures alone, from other runs than the rest
+(a figure measured later than the full report). `TARGETS` are the files that
 hold every figure between them (relative to the repository root): `--paste` with no FILE pastes
 into them.
 """
@@ -18,7 +20,7 @@ into them.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 __all__ = ["TARGETS", "marked", "paste"]
 
@@ -35,20 +37,26 @@ def marked(text: str) -> list[str]:
     return _OPEN.findall(text)
 
 
-def paste(text: str, blocks: Mapping[str, str], where: str = "the text") -> str:
-    """`text` with every marked block replaced by `blocks[name]`. ValueError, naming `where` and
-    the names, for a mark without its closing mark or a figure `blocks` lacks (e.g. failed or
-    missing in one of the runs): nothing is half pasted."""
+def paste(
+    text: str, blocks: Mapping[str, str], where: str = "the text", only: Collection[str] = ()
+) -> str:
+    """`text` with every marked block replaced by `blocks[name]` (with `only`, the marks it names;
+    the others are left as they are, from the runs they name). ValueError, naming `where` and the
+    names, for a mark without its closing mark or a figure `blocks` lacks (e.g. failed or missing
+    in one of the runs): nothing is half pasted."""
     whole = {m.group(1) for m in _BLOCK.finditer(text)}
     unclosed = [n for n in marked(text) if n not in whole]
     if unclosed:
         raise ValueError(f"{where}: <!-- report:NAME --> without <!-- /report:NAME -->: {', '.join(unclosed)}")  # fmt: skip
-    missing = [n for n in marked(text) if n not in blocks]
+    wanted = [n for n in marked(text) if not only or n in only]
+    missing = [n for n in wanted if n not in blocks]
     if missing:
         raise ValueError(f"{where}: no block for {', '.join(missing)} (not in both runs, or not a figure)")  # fmt: skip
 
     def one(m: re.Match) -> str:
         name = m.group(1)
+        if name not in wanted:
+            return m.group(0)
         return f"<!-- report:{name} -->\n{blocks[name].rstrip()}\n<!-- /report:{name} -->"
 
     return _BLOCK.sub(one, text)

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import paste
-from .figures import CLI, FIGURES, PENDING, Figure, Step, by_name
+from .figures import CLI, FIGURES, Figure, Step, by_name
 from .tables import Table
 
 __all__ = [
@@ -227,7 +227,7 @@ def compare(dir1: Path, dir2: Path) -> str:
             "Rule: a claim stands only where it holds in both runs.\n"
         ),
     ]
-    for f in FIGURES + PENDING:  # pending figures too: compared, not pasted (`blocks`)
+    for f in FIGURES:
         body = compare_figure(f, dir1, dir2)
         if body is not None:
             lines.append(f"## {f.name}: {f.title}\n\n{body}")
@@ -253,7 +253,8 @@ def blocks(dir1: Path, dir2: Path) -> dict[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for raw outputs and REPORT.md (with "
                    "--compare: a file for the comparison, else it is printed)")  # fmt: skip
-    p.add_argument("--only", default=None, help="comma-separated figure names (see --list)")
+    p.add_argument("--only", default=None, help="comma-separated figure names (see --list); "
+                   "with --paste: paste only their blocks")  # fmt: skip
     p.add_argument("--testbed", action="store_true", help="include the testbed figures (root)")
     p.add_argument("--list", action="store_true", help="print each figure, where, estimate")
     p.add_argument("--dry-run", action="store_true", help="print every command; run nothing")
@@ -272,10 +273,16 @@ def run(args: argparse.Namespace, runner: Runner = subprocess_runner, euid: int 
     if args.paste is not None:
         found = blocks(Path(args.compare[0]), Path(args.compare[1]))
         files = [Path(p) for p in args.paste or paste.TARGETS]
-        texts = {p: paste.paste(p.read_text(), found, str(p)) for p in files}  # all or nothing
+        only = [n for n in args.only.split(",") if n] if args.only else []
+        by_name(only)  # unknown names: the error lists the known ones
+        unmarked = [n for n in only if not any(n in paste.marked(p.read_text()) for p in files)]
+        if unmarked:
+            raise ValueError(f"--only {','.join(unmarked)}: no <!-- report:NAME --> mark for it in {' '.join(map(str, files))}")  # fmt: skip
+        texts = {p: paste.paste(p.read_text(), found, str(p), only) for p in files}  # all or none
         for p, text in texts.items():
             p.write_text(text)
-            print(f"{p}: pasted {', '.join(paste.marked(text)) or 'nothing (no marks)'}")
+            done = [n for n in paste.marked(text) if not only or n in only]
+            print(f"{p}: pasted {', '.join(done) or 'nothing (no marks)'}")
         return 0
     if args.compare:
         text = compare(Path(args.compare[0]), Path(args.compare[1]))
