@@ -182,8 +182,9 @@ class ExpertConfig:
         impl: how the local experts run: "grouped" (rows sorted by expert, one grouped matmul
             per projection, `torch._grouped_mm` where the build has it, see
             schemoe.experts.grouped) or "loop" (one matmul per expert and projection). Same
-            weights and results either way; "grouped" is the default as the faster on CPUs with
-            many fine-grained experts (E=64 k=6), see docs/usage.md.
+            weights and results either way; "grouped" is the default: on this project's CPU it
+            is 1-2% faster than the loop in dropless mode at E=8 k=2 and E=64 k=6, and it is
+            the path torch's grouped kernels speed up on GPUs (docs/usage.md).
     """
 
     model_dim: int
