@@ -127,17 +127,12 @@ def spelled_with_flags(e: Exception, names: Mapping[str, str], section: str) -> 
     return type(e)(text)
 
 
-def _default(cls: type, name: str) -> Any:
-    """The default of dataclass `cls`'s field `name`."""
-    return next(f.default for f in fields(cls) if f.name == name)
-
-
 def _layer(setting: str) -> Any:
     """The default of the MoEConfig field that MOE_FLAGS maps TrainConfig field `setting` to,
     as that field's default (the layer's defaults and the command line's are one)."""
     cls, name = next((c, n) for c, names in MOE_FLAGS.values() for n, s in names.items()
                      if s == setting)  # fmt: skip
-    return _default(cls, name)
+    return layer_config.field_default(cls, name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,10 +144,10 @@ class TrainConfig:
     steps: int = 40
     batch: int = 8
     grad_accum: int = 1
-    seq_len: int = _default(GPTConfig, "seq_len")
-    layers: int = _default(GPTConfig, "layers")
-    heads: int = _default(GPTConfig, "heads")
-    moe_every: int = _default(GPTConfig, "moe_every")
+    seq_len: int = layer_config.field_default(GPTConfig, "seq_len")
+    layers: int = layer_config.field_default(GPTConfig, "layers")
+    heads: int = layer_config.field_default(GPTConfig, "heads")
+    moe_every: int = layer_config.field_default(GPTConfig, "moe_every")
     ep_size: int | None = None
     device: str = field(default_factory=_default_device)
     dtype: str = "fp32"
@@ -182,7 +177,7 @@ class TrainConfig:
     uniform_tokens: bool = True  # not the layer's False: every rank routes batch x seq_len
     policy: str = _layer("policy")
     chunks: int = _layer("chunks")
-    micro_chunks: int | str = _default(GPTConfig, "micro_chunks")
+    micro_chunks: int | str = layer_config.field_default(GPTConfig, "micro_chunks")
     auto_step: bool = False
     activation_checkpointing: bool = False
     budget: str = _layer("budget")
