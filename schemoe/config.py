@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "ParallelConfig",
     "ScheduleConfig",
     "SharedExpertConfig",
+    "field_default",
 ]
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -58,6 +59,12 @@ def _num(name: str, v: Any, lo: float) -> None:
 
 def _one_of(name: str, v: Any, choices: tuple[str, ...]) -> None:
     _need(v in choices, f"{name} must be one of {choices}, got {v!r}")
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name`, for a field elsewhere (a command's setting,
+    a cost model's shape) that takes the layer's default: one place says what it is."""
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 @dataclass(frozen=True, kw_only=True)

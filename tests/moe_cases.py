@@ -109,6 +109,18 @@ def run_reference(weights, cfg: c.MoEConfig, xs, gys, bias=None):
     return ys, auxes, [z(x) for x in xs], {n: z(t) for n, t in w.items()}
 
 
+def step_without_host_sync(layer: MoELayer, x: torch.Tensor) -> None:
+    """One forward and backward of a CUDA `layer` under torch.cuda.set_sync_debug_mode("error"):
+    a host-device sync in either raises (call the layer once before, to warm it)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def close(a: torch.Tensor, b: torch.Tensor, what: str, atol=ATOL, rtol=RTOL) -> None:
     if a.shape != b.shape:
         raise AssertionError(f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from moe_cases import step_without_host_sync
 from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.train import loop
@@ -333,13 +334,7 @@ def test_on_cuda_the_watched_calls_make_no_host_sync_and_are_timed_at_the_decisi
     rp = Replanner(layer, every=2, hardware=TOY)
     x = torch.randn(TOKENS, M, device="cuda", requires_grad=True)
     layer(x)[0].sum().backward()  # warm
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y, aux = layer(x)
-        (y.sum() + aux).backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_host_sync(layer, x)
     rp.step(1)
     rp.step(2)  # the decision point: events read, tally gathered
     assert rp.pictures[0].calls_P == (2,) and rp._watch[0].before_s > 0

@@ -44,8 +44,9 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# Each flag's range, checked right after parsing (cliargs.Parser.add_checks).
-CHECKS = {"--algorithms": Check(), "--sizes": Check(1), "--warmup": Check(0), "--repeats": Check(1)}
+# Each flag's range, checked right after parsing (cliargs.Parser.add_checks), beyond
+# cliargs.FLAG_CHECKS (--warmup, --repeats).
+CHECKS = {"--algorithms": Check(), "--sizes": Check(1)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

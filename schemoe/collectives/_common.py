@@ -1,6 +1,7 @@
 """Helpers the all-to-all algorithms share: split offsets, link and output-buffer checks, the
 comm thread that drives multi-phase transfers, blocking exchange primitives, the one `start` of
-the built-in algorithms, and the `_start` of those that run on such a thread.
+the built-in algorithms, the `_start` of those that run on such a thread, and the groups of the
+two-level ones.
 
 Issue rule (NCCL): no collective from a worker thread. `Threaded.start` drives the phases on the
 instance's `CommThread` only where `devices.issues_from_worker_thread(group)` (gloo); on NCCL it
@@ -25,6 +26,7 @@ from .base import Done, Pending, check_splits
 __all__ = [
     "Algorithm",
     "CommThread",
+    "Hierarchical",
     "Job",
     "Threaded",
     "check_link",
@@ -317,3 +319,20 @@ class Threaded(Algorithm):
         self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor
     ) -> torch.Tensor:
         raise NotImplementedError
+
+
+class Hierarchical(Threaded):
+    """Base of the two-level algorithms (hier2d, leader): a `Threaded` algorithm with this node's
+    group, `node_group` (tag "NAME.intra"), and the inter-node group of this rank's peers,
+    `peer_group` (tag "NAME.inter": the ranks of its local rank on every node; None with one
+    node, or on a rank whose local rank is not in `peers`).
+
+    A subclass sets `name` and, where only some local ranks exchange across nodes, `peers`.
+    new_group is collective: every rank creates all of the groups, members or not, in order."""
+
+    peers: tuple[int, ...] | None = None  # the local ranks that have an inter-node group (all)
+
+    def __init__(self, topology: Topology) -> None:
+        super().__init__(topology)
+        self.node_group = node_group(topology, f"{self.name}.intra")
+        self.peer_group = peer_group(topology, f"{self.name}.inter", local_ranks=self.peers)

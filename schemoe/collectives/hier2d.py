@@ -25,24 +25,17 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.topology import Topology
-from ._common import Threaded, exchange, gather_splits, node_group, peer_group, permute_blocks
+from ._common import Hierarchical, exchange, gather_splits, permute_blocks
 from .base import ALGORITHMS
 
 __all__ = ["Hier2D"]
 
 
 @ALGORITHMS.register("hier2d")
-class Hier2D(Threaded):
+class Hier2D(Hierarchical):
     """2D hierarchical all-to-all: node exchange, permute, exchange among same-local-rank peers."""
 
     name = "hier2d"
-
-    def __init__(self, topology: Topology) -> None:
-        super().__init__(topology)
-        # new_group is collective: every rank creates all of them, in the same order.
-        self.node_group = node_group(topology, "hier2d.intra")
-        self.peer_group = peer_group(topology, "hier2d.inter")
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, me = self.topo.ranks_per_node, self.topo.nodes, self.topo.local_rank

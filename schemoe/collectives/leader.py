@@ -19,24 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.topology import Topology
-from ._common import Threaded, exchange, gather_splits, node_group, peer_group, permute_blocks
+from ._common import Hierarchical, exchange, gather_splits, permute_blocks
 from .base import ALGORITHMS
 
 __all__ = ["Leader"]
 
 
 @ALGORITHMS.register("leader")
-class Leader(Threaded):
+class Leader(Hierarchical):
     """Gather to the node leader, all-to-all among leaders, scatter back."""
 
     name = "leader"
-
-    def __init__(self, topology: Topology) -> None:
-        super().__init__(topology)
-        # new_group is collective: every rank creates all of them (members or not), in order.
-        self.node_group = node_group(topology, "leader.intra")
-        self.leader_group = peer_group(topology, "leader.inter", local_ranks=(0,))
+    peers = (0,)  # only the leaders (local rank 0) exchange across nodes
 
     def _run(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         rpn, nodes, world = self.topo.ranks_per_node, self.topo.nodes, self.topo.world
@@ -67,7 +61,7 @@ class Leader(Threaded):
                 sum(rcv[j][n * rpn + lr] for j in range(rpn) for lr in range(rpn))
                 for n in range(nodes)
             ]
-            h = exchange(y, send2, recv2, self.leader_group, nodes)
+            h = exchange(y, send2, recv2, self.peer_group, nodes)
             # 3. Regroup to (j, n, l): local rank j's rows, in source-rank order.
             sizes = [
                 rcv[j][n * rpn + lr] for n in range(nodes) for j in range(rpn) for lr in range(rpn)

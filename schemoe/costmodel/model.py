@@ -24,7 +24,7 @@ from functools import cached_property
 import torch
 
 from .. import compression
-from ..config import ExpertConfig, GateConfig
+from ..config import ExpertConfig, GateConfig, field_default
 from ..routing.layout import Partition
 from ..scheduling import SHARED, Direction, Task, TaskCosts, TaskGraph
 from .hardware import Hardware
@@ -208,9 +208,9 @@ class LayerShape:
     model_dim: int
     hidden_dim: int
     experts: int
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    activation: str = "gelu"
+    top_k: int = field_default(GateConfig, "top_k")
+    capacity_factor: float = field_default(GateConfig, "capacity_factor")
+    activation: str = field_default(ExpertConfig, "activation")
     dtype_bytes: int = 4
     shared_hidden: int = 0  # the shared experts' num x hidden_dim (0: none); all T tokens
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..config import GateConfig, field_default
 from ..routing.layout import Partition
 from ..scheduling import POLICIES
 from .hardware import Hardware
@@ -66,8 +67,8 @@ class StepShape:
     heads: int = 4
     moe_every: int = 2
     experts: int = 8
-    top_k: int = 2
-    capacity_factor: float = 1.25
+    top_k: int = field_default(GateConfig, "top_k")
+    capacity_factor: float = field_default(GateConfig, "capacity_factor")
     vocab: int = 256
 
     @property

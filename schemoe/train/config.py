@@ -127,64 +127,67 @@ def spelled_with_flags(e: Exception, names: Mapping[str, str], section: str) -> 
     return type(e)(text)
 
 
-def _gate(name: str) -> Any:
-    """The default of GateConfig field `name`, as a TrainConfig field's default."""
-    return next(f.default for f in fields(layer_config.GateConfig) if f.name == name)
+def _layer(setting: str) -> Any:
+    """The default of the MoEConfig field that MOE_FLAGS maps TrainConfig field `setting` to,
+    as that field's default (the layer's defaults and the command line's are one)."""
+    cls, name = next((c, n) for c, names in MOE_FLAGS.values() for n, s in names.items()
+                     if s == setting)  # fmt: skip
+    return layer_config.field_default(cls, name)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Every `schemoe train` setting; the defaults are the command line's (see `--help`)."""
+    """Every `schemoe train` setting; the defaults are the command line's (see `--help`), and
+    those of the layer's and the model's settings are the MoEConfig's and the GPTConfig's."""
 
     nproc: int = 4
     steps: int = 40
     batch: int = 8
     grad_accum: int = 1
-    seq_len: int = 64
-    layers: int = 4
-    heads: int = 4
-    moe_every: int = 2
+    seq_len: int = layer_config.field_default(GPTConfig, "seq_len")
+    layers: int = layer_config.field_default(GPTConfig, "layers")
+    heads: int = layer_config.field_default(GPTConfig, "heads")
+    moe_every: int = layer_config.field_default(GPTConfig, "moe_every")
     ep_size: int | None = None
     device: str = field(default_factory=_default_device)
     dtype: str = "fp32"
     model_dim: int = 128
     hidden_dim: int = 256
     experts: int | None = None
-    # routing: GateConfig's defaults (the layer's and the command line's are one)
-    top_k: int = _gate("top_k")
-    capacity_factor: float = _gate("capacity_factor")
-    renormalize: bool = _gate("renormalize")
-    noise_std: float = _gate("noise_std")
-    priority: str = _gate("priority")
-    aux_loss_weight: float = _gate("aux_loss_weight")
-    z_loss_weight: float = _gate("z_loss_weight")
-    bias_update_rate: float = _gate("bias_update_rate")
-    score: str = _gate("score")
-    expert_groups: int = _gate("groups")
-    top_groups: int | None = _gate("top_groups")
-    routed_scale: float = _gate("scale")
-    group_score: str = _gate("group_score")
-    router_bias: bool = _gate("logit_bias")
-    weights_on: str = _gate("weights_on")
-    activation: str = "gelu"
-    expert_bias: bool = False
-    experts_impl: str = "grouped"
+    top_k: int = _layer("top_k")
+    capacity_factor: float = _layer("capacity_factor")
+    renormalize: bool = _layer("renormalize")
+    noise_std: float = _layer("noise_std")
+    priority: str = _layer("priority")
+    aux_loss_weight: float = _layer("aux_loss_weight")
+    z_loss_weight: float = _layer("z_loss_weight")
+    bias_update_rate: float = _layer("bias_update_rate")
+    score: str = _layer("score")
+    expert_groups: int = _layer("expert_groups")
+    top_groups: int | None = _layer("top_groups")
+    routed_scale: float = _layer("routed_scale")
+    group_score: str = _layer("group_score")
+    router_bias: bool = _layer("router_bias")
+    weights_on: str = _layer("weights_on")
+    activation: str = _layer("activation")
+    expert_bias: bool = _layer("expert_bias")
+    experts_impl: str = _layer("experts_impl")
     shared_experts: int = 0  # always-on experts of hidden dim hidden_dim (MoEConfig.shared)
-    ranks_per_node: int | None = None
-    uniform_tokens: bool = True
-    policy: str = "schemoe"
-    chunks: int = 2
-    micro_chunks: int | str = 1
+    ranks_per_node: int | None = _layer("ranks_per_node")
+    uniform_tokens: bool = True  # not the layer's False: every rank routes batch x seq_len
+    policy: str = _layer("policy")
+    chunks: int = _layer("chunks")
+    micro_chunks: int | str = layer_config.field_default(GPTConfig, "micro_chunks")
     auto_step: bool = False
     activation_checkpointing: bool = False
-    budget: str = "lossless"
-    trials: int = 5
-    shortlist: int = 4
+    budget: str = _layer("budget")
+    trials: int = _layer("trials")
+    shortlist: int = _layer("shortlist")
     replan: bool = False
     replan_every: int = 50
-    algorithm: str = "naive"
-    compressor: str = "none"
-    compressor_backward: str = "none"
+    algorithm: str = _layer("algorithm")
+    compressor: str = _layer("compressor")
+    compressor_backward: str = _layer("compressor_backward")
     compressor_option: tuple[str, ...] = ()
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
