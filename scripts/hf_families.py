@@ -8,7 +8,8 @@ Per family, on the tiny random model of schemoe.integrations.hf_tiny (2 MoE laye
 - logits / grads: max|diff| of the logits and of every parameter gradient (experts in MoELayer's
   layout), converted vs unmodified, fp32, at the family's default initialisation ("default") and
   with every MoE-block weight drawn from N(0, 0.5) ("std0.5"); on one process, and on 2 gloo
-  ranks (std 0.5; each rank its own batch, dense gradients summed as DDP would, experts sharded);
+  ranks at both ("2ranks_default", "2ranks_std0.5"; each rank its own batch, dense gradients
+  summed as DDP would, experts sharded);
 - roundtrip: max|diff| of the logits of the family's own class loaded (`from_pretrained`) from
   what `hf_export.save_pretrained` wrote for the converted model (std 0.5), against the converted
   model's; one process, and on 2 ranks (the experts gathered from both);
@@ -24,9 +25,12 @@ Refused families are listed with the error replace_moe_blocks raises.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import sys
 import tempfile
 
+import torch
 import transformers as tf
 
 from schemoe.dist.launch import spawn
@@ -45,7 +49,12 @@ from schemoe.integrations.hf_tiny import (
 
 def _two_ranks(rank: int, world: int, family: str, path: str) -> dict:
     tf.utils.logging.disable_progress_bar()  # from_pretrained's and save_pretrained's bars
-    return compare(family, 0.5, rank, world) | {
+    default, wide = compare(family, None, rank, world), compare(family, 0.5, rank, world)
+    return {
+        "logits_default": default["logits"],
+        "grads_default": default["grads"],
+        "logits_std0.5": wide["logits"],
+        "grads_std0.5": wide["grads"],
         "train": train_steps(family, 0.5, rank, world),
         "roundtrip": round_trip(family, 0.5, path, rank, world),
     }
@@ -62,8 +71,8 @@ def measure(family: str, ranks: bool) -> dict:
         with tempfile.TemporaryDirectory() as d:
             both = spawn(_two_ranks, 2, family, d, timeout=300)
         row["roundtrip_2ranks"] = max(r["roundtrip"] for r in both)
-        row["logits_2ranks"] = max(r["logits"] for r in both)
-        row["grads_2ranks"] = max(r["grads"] for r in both)
+        for kind, init in itertools.product(("logits", "grads"), ("default", "std0.5")):
+            row[f"{kind}_2ranks_{init}"] = max(r[f"{kind}_{init}"] for r in both)
         one = train_steps(family, 0.5)
         row["train_losses"] = one
         row["train_2ranks"] = max(
@@ -92,8 +101,9 @@ def main() -> None:
     rows = []
     tf.utils.logging.disable_progress_bar()  # from_pretrained's and save_pretrained's bars
     cols = ["logits_default", "grads_default", "logits_std0.5", "grads_std0.5", "roundtrip_1proc"]
-    cols += [] if args.no_ranks else ["logits_2ranks", "grads_2ranks", "train_2ranks",
-                                      "roundtrip_2ranks"]  # fmt: skip
+    cols += [] if args.no_ranks else ["logits_2ranks_default", "grads_2ranks_default",
+        "logits_2ranks_std0.5", "grads_2ranks_std0.5", "train_2ranks", "roundtrip_2ranks"]  # fmt: skip
+    print(f"# transformers {tf.__version__}, torch {torch.__version__}; {' '.join(sys.argv)}")
     print(f"{'family':18s} " + " ".join(f"{c:>14s}" for c in cols) + "  greedy  bf16 (default/0.5)")
     for fam in args.families.split(","):
         if fam in REFUSED_TINY:

@@ -153,7 +153,11 @@ def _spec(block: nn.Module) -> FamilySpec:
         raise ValueError(f"{name} ({family}) cannot be converted exactly: {why}")
     spec = family_of(block)
     if spec is None:
-        raise TypeError(f"unsupported MoE block {name}; expected one of {sorted(SUPPORTED)}")
+        raise TypeError(
+            f"unsupported MoE block {name}: schemoe converts only the blocks whose routing it "
+            f"reproduces exactly, checked against transformers (FAMILIES): {sorted(SUPPORTED)}; "
+            "for another family, build its MoELayer with a GateConfig of its routing"
+        )
     ex, router = getattr(block, "experts", None), getattr(block, spec.router, None)
     if not (
         isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor)

@@ -16,6 +16,7 @@ Read from the modeling files of transformers 5.25 (one `FamilySpec` per family b
     granitemoe   softmax of the top-k logits (= softmax, top-k,    -
                  renormalised)
     granitemoeshared  as granitemoe (its shared MLP is outside the block, left as it is)
+    jamba        softmax, top-k, never renormalised                -
     deepseek_v2  softmax, top-k ("greedy", or "group_limited_greedy": n_shared_experts, ungated
                  groups scored by their best expert), never
                  renormalised, x routed_scaling_factor
@@ -251,6 +252,9 @@ FAMILIES: dict[str, FamilySpec] = {
         _as(_QWEN2_MOE, "qwen3_next", "Qwen3NextSparseMoeBlock"),
         FamilySpec(family="minimax", blocks=("MiniMaxSparseMoeBlock",), jitter="jitter_noise"),
         FamilySpec(family="granitemoe", blocks=("GraniteMoeMoE",), router="router"),
+        FamilySpec(
+            family="jamba", blocks=("JambaSparseMoeBlock",), router="router", renormalize=False
+        ),
         # Its shared MLP sits in the decoder layer, outside the block: only the block changes.
         FamilySpec(family="granitemoeshared", blocks=("GraniteMoeSharedMoE",), router="router"),
         FamilySpec(

@@ -159,6 +159,20 @@ TINY |= {
     ),
 }
 
+# Jamba with attention in every layer (its Mamba layers do not touch the MoE blocks).
+TINY["jamba"] = (
+    "JambaConfig",
+    "JambaForCausalLM",
+    {
+        "num_experts": 4,
+        "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+        "attn_layer_period": 1,
+        "attn_layer_offset": 0,
+        "use_mamba_kernels": False,
+    },
+)
+
 # The refused families at the tiny size (the error is what is checked).
 REFUSED_TINY: dict[str, tuple[str, str, dict]] = {
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4}),
