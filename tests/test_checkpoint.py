@@ -158,6 +158,51 @@ def test_a_write_that_raises_midway_leaves_the_previous_checkpoint_intact(tmp_pa
     ]
 
 
+@contextmanager
+def _full_at_write(path: str):
+    """A file that is created, then fills the disk on its first write (as a tmpfs does)."""
+    with open(path, "wb") as f:
+
+        class Full:
+            def write(self, data) -> int:
+                f.write(bytes(data[:100]))
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def flush(self) -> None:
+                f.flush()
+
+            def fileno(self) -> int:
+                return f.fileno()
+
+        yield Full()
+
+
+def _rank_1_fills_the_disk(rank: int, world: int, d: str) -> str | None:
+    core, opt = build(tiny())
+    checkpoint.save(d, core, opt, step=1)
+    if rank == 1:  # only rank 1's file of step 2 hits the full disk
+        FileSystem.create_stream = lambda self, path, mode: (
+            _full_at_write(path)
+            if "step-00000002.tmp/__1_0" in str(path)
+            else _real_stream(self, path, mode)
+        )
+    try:
+        checkpoint.save(d, core, opt, step=2)
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def test_a_full_disk_on_another_rank_is_what_every_rank_reports(tmp_path):
+    # rank 1's write fails; rank 0 wrote its part, but DCP then writes no .metadata: the line
+    # every rank raises names rank 1's ENOSPC and its file, not rank 0's missing .metadata
+    said = spawn(_rank_1_fills_the_disk, 2, str(tmp_path), timeout=120)
+    want = f"rank 1: no space left on device writing {tmp_path}/step-00000002.tmp/__1_0.distcp"
+    assert all(s is not None and want in s for s in said), said
+    assert (tmp_path / "latest").read_text() == "step-00000001"
+    assert not (tmp_path / "step-00000002.tmp").exists()
+
+
 def _killed_writer(d: str, ready) -> None:
     core, opt = build(tiny())
     checkpoint.save(d, core, opt, step=1)

@@ -1,5 +1,6 @@
 """The tensor payload of a checkpoint through torch.distributed.checkpoint (DCP): a write that
-names the file an OS error hit, and reads that run no code from the checkpoint.
+names the file an OS error hit (ENOSPC on a full disk), and reads that run no code from the
+checkpoint.
 
 DCP writes one `__<rank>_0.distcp` per rank (each tensor a `torch.save` record, read back with
 `weights_only=True`) and rank 0 writes `.metadata`: a plain pickle of DCP's Metadata (keys,
@@ -10,6 +11,8 @@ metadata classes, torch.Size, dtypes and paths, so nothing in a checkpoint can r
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -38,15 +41,38 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+class _Spool(io.BytesIO):
+    """A file's bytes in memory; DCP closes its stream before the spool is written out."""
+
+    data: bytes = b""
+
+    def close(self) -> None:
+        if not self.closed:
+            self.data = self.getvalue()
+        super().close()
+
+
 class _NamingFileSystem(FileSystem):
-    """DCP's local file system, except that an OSError names the file it hit: a full disk
-    raises ENOSPC from `write` with no filename, and the error line must say which file."""
+    """DCP's local file system, except that a file is written the way `files.write` writes one:
+    serialised in memory first, then one write, flush and fsync, so a full disk is ENOSPC naming
+    the file (torch.save streaming into a file on a full disk fails inside its zip writer as
+    "unexpected pos N vs M"); the cost is one more copy of this rank's file in memory. Reads
+    are DCP's own."""
 
     @contextmanager
     def create_stream(self, path, mode) -> Iterator:
         try:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            spool = _Spool()
+            yield spool
+            data = spool.data if spool.closed else spool.getvalue()
             with super().create_stream(path, mode) as stream:
-                yield stream
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
         except OSError as e:
             if not e.filename:
                 e.filename = str(path)
@@ -58,7 +84,9 @@ def write(state: dict[str, torch.Tensor], folder: Path) -> BaseException | None:
     up: DCP gathers the plans, deduplicates keys several ranks hold, and every rank learns of
     any rank's failure). Returns this rank's own failure, None when it wrote its part (another
     rank may still have failed: the caller settles that)."""
-    writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True)
+    # sync_files off: the file system above fsyncs every file it writes (DCP's own fsync
+    # needs a real file's descriptor, and falls back to a machine-wide sync without one)
+    writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=False)
     writer.fs = _NamingFileSystem()
     try:
         with warnings.catch_warnings():  # one process, no group: as intended, not a warning

@@ -141,13 +141,15 @@ def save(
         except OSError as e:
             err = e
     settle(err, root, tmp, step)
-    err = dcp_io.write(state, tmp)  # collective; this rank's failure, if any
-    if err is None:
-        try:
-            mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
-            write_digests(tmp, [*mine, *([METADATA] * (rank == 0))], rank)
-        except BaseException as e:  # noqa: BLE001 (every rank raises it in settle)
-            err = e
+    # collective; this rank's own failure, if any. Settled before the digests: when another
+    # rank's write failed, DCP wrote no .metadata, and rank 0 must report that rank's error
+    # (a full disk), not its own missing file.
+    settle(dcp_io.write(state, tmp), root, tmp, step)
+    try:
+        mine = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
+        write_digests(tmp, [*mine, *([METADATA] * (rank == 0))], rank)
+    except BaseException as e:  # noqa: BLE001 (every rank raises it in settle)
+        err = e
     settle(err, root, tmp, step)
     if rank == 0:
         try:
