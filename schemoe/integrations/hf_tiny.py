@@ -69,6 +69,9 @@ _MLA = {  # DeepSeek's multi-head latent attention at the tiny size
     "first_k_dense_replace": 0,
 }
 _QWEN = {"num_experts": 4, "moe_intermediate_size": 24}
+# Jamba with attention and experts in every layer (its Mamba layers hold no MoE block)
+_JAMBA = {"num_experts": 4, "expert_layer_period": 1, "attn_layer_period": 1}
+_JAMBA |= {"expert_layer_offset": 0, "attn_layer_offset": 0}
 
 # family -> (config class, model class, config overrides)
 TINY: dict[str, tuple[str, str, dict]] = {
@@ -148,30 +151,14 @@ TINY: dict[str, tuple[str, str, dict]] = {
             "head_dim": 8,
         },
     ),
-}
-
-TINY |= {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "head_dim": 8}),
     "llama4": (
         "Llama4TextConfig",
         "Llama4ForCausalLM",
         {"num_local_experts": 4, "head_dim": 8, "intermediate_size_mlp": 48},
     ),
+    "jamba": ("JambaConfig", "JambaForCausalLM", _JAMBA),
 }
-
-# Jamba with attention in every layer (its Mamba layers do not touch the MoE blocks).
-TINY["jamba"] = (
-    "JambaConfig",
-    "JambaForCausalLM",
-    {
-        "num_experts": 4,
-        "expert_layer_period": 1,
-        "expert_layer_offset": 0,
-        "attn_layer_period": 1,
-        "attn_layer_offset": 0,
-        "use_mamba_kernels": False,
-    },
-)
 
 # The refused families at the tiny size (the error is what is checked).
 REFUSED_TINY: dict[str, tuple[str, str, dict]] = {
@@ -187,10 +174,8 @@ def tiny(family: str, std: float | None = None, seed: int = 0) -> nn.Module:
     model = getattr(tf, model_name)(cfg).float().eval()
     if std is not None:
         with torch.no_grad():
-            for m in model.modules():
-                if type(m).__name__ not in SUPPORTED:
-                    continue
-                for n, p in m.named_parameters():
+            for m in (m for m in model.modules() if type(m).__name__ in SUPPORTED):
+                for p in m.parameters():
                     p.normal_(0, std)
                 for n, b in m.named_buffers():
                     if n.endswith("e_score_correction_bias"):
