@@ -1,5 +1,7 @@
-"""`schemoe train` at ep 2 x dp 2 on 4 ranks: every algorithm lowers the loss, and a run saved at
-ep 2 resumes at ep 4 and at ep 1 (same world, another expert layout) from the saved step."""
+"""`schemoe train` at ep 2 x dp 2 on 4 ranks: the loss falls with the flat algorithm and with the
+two that make sub-groups of the expert-parallel groups (pipe; leader, whose node and peer groups
+hier2d shares), and a run saved at ep 2 resumes at ep 4 and at ep 1 (same world, another expert
+layout) from the saved step. Every algorithm's result against the reference: test_collectives."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 from schemoe.train import loop as T
 from train_cases import tiny
 
-ALGOS = ("naive", "pairwise", "pipe", "hier2d", "leader")
+ALGOS = ("naive", "pipe", "leader")
 
 
 def _run(rank, world, extra):
@@ -16,7 +18,7 @@ def _run(rank, world, extra):
 
 
 @pytest.mark.parametrize("algorithm", ALGOS)
-def test_training_at_ep2_dp2_lowers_the_loss_with_every_algorithm(ranks, algorithm):
+def test_training_at_ep2_dp2_lowers_the_loss(ranks, algorithm):
     extra = ["--ep-size", "2", "--ranks-per-node", "1", "--algorithm", algorithm, "--steps", "6"]
     out = ranks(4).run(_run, extra)
     losses = out[0]["losses"]
