@@ -25,7 +25,6 @@ Refused families are listed with the error replace_moe_blocks raises.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import tempfile
@@ -46,33 +45,37 @@ from schemoe.integrations.hf_tiny import (
     train_steps,
 )
 
+INITS = (("default", None), ("std0.5", 0.5))  # the family's own initialisation; N(0, 0.5)
+
+
+def _compared(family: str, rank: int = 0, world: int = 1) -> dict:
+    """logits_<init> and grads_<init>: compare's max|diff| at each of INITS."""
+    out = {}
+    for name, std in INITS:
+        r = compare(family, std, rank, world)
+        out[f"logits_{name}"], out[f"grads_{name}"] = r["logits"], r["grads"]
+    return out
+
 
 def _two_ranks(rank: int, world: int, family: str, path: str) -> dict:
     tf.utils.logging.disable_progress_bar()  # from_pretrained's and save_pretrained's bars
-    default, wide = compare(family, None, rank, world), compare(family, 0.5, rank, world)
-    return {
-        "logits_default": default["logits"],
-        "grads_default": default["grads"],
-        "logits_std0.5": wide["logits"],
-        "grads_std0.5": wide["grads"],
+    return _compared(family, rank, world) | {
         "train": train_steps(family, 0.5, rank, world),
         "roundtrip": round_trip(family, 0.5, path, rank, world),
     }
 
 
 def measure(family: str, ranks: bool) -> dict:
-    row: dict = {"family": family, "status": "converted"}
-    for name, std in (("default", None), ("std0.5", 0.5)):
-        r = compare(family, std)
-        row[f"logits_{name}"], row[f"grads_{name}"] = r["logits"], r["grads"]
+    row: dict = {"family": family, "status": "converted", **_compared(family)}
     with tempfile.TemporaryDirectory() as d:
         row["roundtrip_1proc"] = round_trip(family, 0.5, d)
     if ranks:
         with tempfile.TemporaryDirectory() as d:
             both = spawn(_two_ranks, 2, family, d, timeout=300)
         row["roundtrip_2ranks"] = max(r["roundtrip"] for r in both)
-        for kind, init in itertools.product(("logits", "grads"), ("default", "std0.5")):
-            row[f"{kind}_2ranks_{init}"] = max(r[f"{kind}_{init}"] for r in both)
+        for key in (k for k in both[0] if k.startswith(("logits_", "grads_"))):
+            kind, init = key.split("_", 1)  # logits_default -> logits_2ranks_default
+            row[f"{kind}_2ranks_{init}"] = max(r[key] for r in both)
         one = train_steps(family, 0.5)
         row["train_losses"] = one
         row["train_2ranks"] = max(
