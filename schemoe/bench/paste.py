@@ -32,9 +32,9 @@ _BLOCK = re.compile(
 )
 
 
-def marked(text: str) -> list[str]:
-    """The figure names `text` marks, in order."""
-    return _OPEN.findall(text)
+def marked(text: str, only: Collection[str] = ()) -> list[str]:
+    """The figure names `text` marks, in order (with `only`, those of them it names)."""
+    return [n for n in _OPEN.findall(text) if not only or n in only]
 
 
 def paste(
@@ -48,7 +48,7 @@ def paste(
     unclosed = [n for n in marked(text) if n not in whole]
     if unclosed:
         raise ValueError(f"{where}: <!-- report:NAME --> without <!-- /report:NAME -->: {', '.join(unclosed)}")  # fmt: skip
-    wanted = [n for n in marked(text) if not only or n in only]
+    wanted = marked(text, only)
     missing = [n for n in wanted if n not in blocks]
     if missing:
         raise ValueError(f"{where}: no block for {', '.join(missing)} (not in both runs, or not a figure)")  # fmt: skip

@@ -275,14 +275,14 @@ def run(args: argparse.Namespace, runner: Runner = subprocess_runner, euid: int 
         files = [Path(p) for p in args.paste or paste.TARGETS]
         only = [n for n in args.only.split(",") if n] if args.only else []
         by_name(only)  # unknown names: the error lists the known ones
-        unmarked = [n for n in only if not any(n in paste.marked(p.read_text()) for p in files)]
+        olds = {p: p.read_text() for p in files}
+        unmarked = [n for n in only if not any(n in paste.marked(t) for t in olds.values())]
         if unmarked:
             raise ValueError(f"--only {','.join(unmarked)}: no <!-- report:NAME --> mark for it in {' '.join(map(str, files))}")  # fmt: skip
-        texts = {p: paste.paste(p.read_text(), found, str(p), only) for p in files}  # all or none
+        texts = {p: paste.paste(t, found, str(p), only) for p, t in olds.items()}  # all or none
         for p, text in texts.items():
             p.write_text(text)
-            done = [n for n in paste.marked(text) if not only or n in only]
-            print(f"{p}: pasted {', '.join(done) or 'nothing (no marks)'}")
+            print(f"{p}: pasted {', '.join(paste.marked(text, only)) or 'nothing (no marks)'}")
         return 0
     if args.compare:
         text = compare(Path(args.compare[0]), Path(args.compare[1]))
