@@ -28,11 +28,10 @@ def test_pasting_the_committed_report_runs_again_changes_nothing(name):
     """Each block against the two runs its `Runs: 1 = `A`, 2 = `B`` line names (docs/results/A, B)."""
     text = (ROOT / name).read_text()
     by_runs: dict[tuple[str, str], list[str]] = {}
-    block = r"^<!-- report:(\w+) -->\n(.*?)^<!-- /report:\1 -->$"
-    for m in re.finditer(block, text, re.DOTALL | re.MULTILINE):
-        runs = re.search(r"^Runs: 1 = `([^`]+)`, 2 = `([^`]+)`", m.group(2), re.MULTILINE)
-        assert runs, f"{name}: the block of {m.group(1)} names no runs: paste it"
-        by_runs.setdefault(runs.groups(), []).append(m.group(1))
+    for figure, body in paste.bodies(text).items():
+        runs = re.search(r"^Runs: 1 = `([^`]+)`, 2 = `([^`]+)`", body, re.MULTILINE)
+        assert runs, f"{name}: the block of {figure} names no runs: paste it"
+        by_runs.setdefault(runs.groups(), []).append(figure)
     for runs, names in by_runs.items():
         found = regen.blocks(RESULTS / runs[0], RESULTS / runs[1])
         assert paste.paste(text, found, name, names) == text, (

@@ -22,19 +22,24 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
-__all__ = ["TARGETS", "marked", "paste"]
+__all__ = ["TARGETS", "bodies", "marked", "paste"]
 
 TARGETS = ("docs/results.md", "docs/costmodel.md", "docs/reliability.md")
 
 _OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_]+) -->$", re.MULTILINE)
 _BLOCK = re.compile(
-    r"^<!-- report:([A-Za-z0-9_]+) -->\n.*?^<!-- /report:\1 -->$", re.DOTALL | re.MULTILINE
+    r"^<!-- report:([A-Za-z0-9_]+) -->\n(.*?)^<!-- /report:\1 -->$", re.DOTALL | re.MULTILINE
 )
 
 
 def marked(text: str, only: Collection[str] = ()) -> list[str]:
     """The figure names `text` marks, in order (with `only`, those of them it names)."""
     return [n for n in _OPEN.findall(text) if not only or n in only]
+
+
+def bodies(text: str) -> dict[str, str]:
+    """{figure name: what stands between its marks}, for every closed block of `text`."""
+    return {m.group(1): m.group(2) for m in _BLOCK.finditer(text)}
 
 
 def paste(
@@ -44,7 +49,7 @@ def paste(
     the others are left as they are, from the runs they name). ValueError, naming `where` and the
     names, for a mark without its closing mark or a figure `blocks` lacks (e.g. failed or missing
     in one of the runs): nothing is half pasted."""
-    whole = {m.group(1) for m in _BLOCK.finditer(text)}
+    whole = bodies(text)
     unclosed = [n for n in marked(text) if n not in whole]
     if unclosed:
         raise ValueError(f"{where}: <!-- report:NAME --> without <!-- /report:NAME -->: {', '.join(unclosed)}")  # fmt: skip
