@@ -29,6 +29,7 @@ __all__ = [
     "Parser",
     "add_layer_shape",
     "flag_problem",
+    "float_list",
     "for_flag",
     "guard",
     "int_list",
@@ -55,6 +56,12 @@ def names(text: str) -> list[str]:
 def int_list(text: str) -> list[int]:
     """A comma list of ints ("1,2" -> [1, 2]); argparse reports "invalid int_list value"."""
     return [int(v) for v in names(text)]
+
+
+def float_list(text: str) -> list[float]:
+    """A comma list of numbers ("1,1.5" -> [1.0, 1.5]); argparse reports "invalid float_list
+    value"."""
+    return [float(v) for v in names(text)]
 
 
 def add_layer_shape(

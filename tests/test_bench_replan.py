@@ -10,9 +10,11 @@ import os
 import sys
 
 import pytest
+import torch
 
 from schemoe import cli
-from schemoe.bench.drift import Phase, parse_phases, phase_bias
+from schemoe.bench.drift import Phase, Run, parse_phases, phase_bias
+from schemoe.config import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig
 from schemoe.costmodel import profiles
 from schemoe.costmodel.hardware import Hardware, Link
 
@@ -21,10 +23,10 @@ from schemoe.costmodel.hardware import Hardware, Link
 TOY = Hardware(name="toy", nodes=1, ranks_per_node=2, intra=Link(1e-5, 1e7),
                inter=Link(1e-5, 1e7), flops=1e8, gemm_alpha=1e-5, memory=1e10,
                task_overhead=1e-4)  # fmt: skip
-PHASES = "zipf:3,zipf:1.2:rotate,balanced"
+PHASES = "balanced,zipf:3,zipf:1.2:rotate"
 # zipf:3 puts both of a token's choices on rank 0's experts (seed 0's order): TOY prices that
-# about 4 % faster on another plan, hence the low threshold.
-TINY = ["--nproc", "2", "--tokens", "64", "--model-dim", "16", "--hidden-dim", "32",
+# about 4 % faster on another plan than balanced routing's, hence the low threshold.
+TINY = ["--nproc", "2", "--tokens", "48", "--model-dim", "16", "--hidden-dim", "32",
         "--experts", "4", "--phases", PHASES, "--phase-steps", "4", "--rotate-every", "2",
         "--replan-every", "2", "--replan-confirm", "1", "--replan-threshold", "0.01", "--overhead-steps", "4",
         "--candidates", "1", "--timeout", "120"]  # fmt: skip
@@ -45,18 +47,71 @@ def _stdout_to(path):
             os.close(saved)
 
 
-@pytest.fixture(scope="module")
-def summary(tmp_path_factory):
-    """One tiny run's JSON line (the run takes seconds: the cases below share it)."""
-    tmp = tmp_path_factory.mktemp("bench_replan")
+def _tiny_run(tmp, *extra: str) -> dict:
+    """One tiny run's JSON line, on TOY (the runs take seconds: the cases below share them)."""
     store = str(tmp / "profiles.json")
     assert profiles.save(TOY, store) == "1x2@inter=unshaped,intra=unshaped"
     out = tmp / "out.txt"
     with _stdout_to(out):
-        rc = cli.main(["bench", "replan", *TINY, "--profile", store])
+        rc = cli.main(["bench", "replan", *TINY, *extra, "--profile", store])
     lines = out.read_text().strip().splitlines()
     assert rc == 0, lines[-5:]
     return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    return _tiny_run(tmp_path_factory.mktemp("bench_replan"))
+
+
+# Capacity mode: step 0's routing (zipf:3: both choices on two experts) needs f = 2 to drop
+# nothing; balanced routing drops under 10 % at a lower f, so the replanner lowers it.
+CAPACITY = ["--phases", "zipf:3,balanced", "--phase-steps", "4,8", "--capacity-factor", "1",
+            "--capacity-factors", "1,1.25,1.5,2", "--max-drop", "0.1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def capacity(tmp_path_factory):
+    return _tiny_run(tmp_path_factory.mktemp("bench_replan_capacity"), *CAPACITY)
+
+
+def test_in_capacity_mode_fixed0_takes_the_f_step_0s_routing_needs(capacity):
+    assert capacity["fixed0"].endswith("/f2")
+    zipf = capacity["runs"]["fixed0"][0]
+    assert (zipf["phase"], zipf["drop"]) == ("zipf:3", 0.0)
+
+
+def test_in_capacity_mode_the_replanner_lowers_f_when_routing_evens_out(capacity):
+    lowered = [s for s in capacity["switches"] if s["new"].get("capacity_factor", 2) < 2]
+    assert lowered and all(s["step"] > 4 for s in lowered)  # in the balanced phase
+    assert capacity["runs"]["replan"][1]["plans"] != capacity["runs"]["fixed0"][1]["plans"]
+
+
+def test_the_hindsight_plan_of_a_phase_is_the_fastest_within_the_drop_budget(capacity):
+    for h in capacity["hindsight"]:
+        rows = [r for rs in capacity["runs"].values() for r in rs if r["phase"] == h["phase"]
+                and r["run"] != "replan" and r["drop"] <= 0.1]  # fmt: skip
+        assert h["phase_ms"] == min(r["phase_ms"] for r in rows)
+
+
+def test_a_runs_dropped_fraction_per_step_is_its_layers_load_metrics():
+    cfg = MoEConfig(gate=GateConfig(num_experts=4, top_k=2, capacity_factor=1.0, logit_bias=True),
+                    experts=ExpertConfig(model_dim=16, hidden_dim=32),
+                    schedule=ScheduleConfig(policy="sequential"))  # fmt: skip
+    run = Run("r", cfg, cfg, layers=2, seed=0, lr=0.0)
+    g = torch.Generator().manual_seed(0)
+    run.warm(torch.randn(64, 16, generator=g))
+    for m in run.layers:
+        m.take_load_metrics()  # the warm step's
+    want = []
+    for s in (3.0, 0.5):
+        run.prepare(
+            torch.randn(64, 16, generator=g), phase_bias(Phase("zipf", s), 0, 1, [0, 1, 2, 3])
+        )
+        run.step()
+        per = [m.take_load_metrics() for m in run.layers]
+        want.append(1 - sum(p.kept for p in per) / sum(p.choices for p in per))
+    assert run.dropped() == pytest.approx(want) and want[0] > 0.3
 
 
 def test_the_json_has_every_run_and_every_phase(summary):
@@ -127,7 +182,13 @@ REFUSED = [
     (["--phases", "zipf"], "--phases: phase 'zipf': expected balanced, zipf:S or zipf:S:rotate"),
     (["--phases", "zipf:-1"], "--phases: phase 'zipf:-1'"),
     (["--phases", "uniform"], "--phases: phase 'uniform'"),
-    (["--phase-steps", "0"], "--phase-steps must be >= 1, got 0"),
+    (["--phase-steps", "0"], "--phase-steps must be >= 1 (each), got 0"),
+    (["--phase-steps", "10,10,10"], "--phase-steps 10,10,10: give one count or one per phase (2"),
+    (["--phase-steps", "10,7"], "--phase-steps 7 must be a multiple of --replan-every 5"),
+    (["--capacity-factors", "1,2"], "--capacity-factors needs capacity mode: give --capacity-f"),
+    (["--capacity-factors", "0,2", "--capacity-factor", "1"], "--capacity-factors must be > 0"),
+    (["--max-drop", "1"], "--max-drop must be >= 0 and <= 0.99 and finite, got 1"),
+    (["--overhead-every", "0"], "--overhead-every must be >= 1, got 0"),
     (["--phase-steps", "7"], "--phase-steps 7 must be a multiple of --replan-every 5"),
     (["--rotate-every", "0"], "--rotate-every must be >= 1, got 0"),
     (["--replan-every", "0"], "--replan-every must be >= 1, got 0"),

@@ -12,12 +12,21 @@ import torch
 from torch import nn
 
 from moe_cases import step_without_host_sync
-from schemoe import ExpertConfig, GateConfig, MoEConfig, MoELayer, ParallelConfig, ScheduleConfig
+from schemoe import (
+    ExpertConfig,
+    GateConfig,
+    MoEConfig,
+    MoELayer,
+    ParallelConfig,
+    ScheduleConfig,
+    trace,
+)
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.train import loop
 from schemoe.tuning import replan
 from schemoe.tuning.picture import Picture, on_grid, plan_for
 from schemoe.tuning.replan import Replanner, schedule_of
+from schemoe.tuning.switch import plan_name
 from train_cases import tiny
 
 E, M, H = 4, 16, 32
@@ -252,6 +261,24 @@ def test_forced_plans_at_the_first_step_apply_at_construction():
     assert layer.running == target
     rp.step(2)  # the plan of step 3 runs from step 3 on
     assert layer.running == _config() and [s.step for s in rp.history] == [1, 3]
+
+
+def test_a_trace_shows_which_plan_each_layer_ran_at_each_step():
+    model = _Tiny(_config("tutel", 4))
+    target = dataclasses.replace(_config(), schedule=ScheduleConfig(policy="schemoe", chunks=2))
+    rp = Replanner(model, schedule={3: {1: target}})
+    with trace.record() as tl:
+        for step in range(1, 5):
+            model(torch.randn(TOKENS, M))
+            rp.step(step)
+    plans = [e for e in tl.events if e.resource.startswith("plan")]  # beside the layers' tasks
+    spans = [(e.resource, e.task) for e in plans]
+    first, second = plan_name(_config("tutel", 4)), plan_name(target)
+    assert spans[::2] == [("plan L0", f"L0 {first}")] * 4
+    assert spans[1::2] == [("plan L1", f"L1 {first}")] * 2 + [("plan L1", f"L1 {second}")] * 2
+    assert all(a.end <= b.start + 1e-9 for a, b in zip(plans[::2], plans[2::2]))
+    tasks = [e for e in tl.events if not e.resource.startswith("plan")]
+    assert all(plans[0].start <= e.start and e.end <= plans[-1].end for e in tasks)
 
 
 # ------------------------------------------------------------------ schemoe train --replan

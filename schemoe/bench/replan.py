@@ -1,47 +1,60 @@
 """Re-planning under drifting routing: a fixed plan, the Replanner, and the best fixed plans.
 
-A stack of --layers dropless MoE layers trains (forward, backward, SGD step) through --phases,
---phase-steps steps each, with routing driven by the router's logit bias (bench/drift.py: Zipf(s)
+A stack of --layers MoE layers (dropless, or capacity mode at --capacity-factor F > 0) trains
+(forward, backward, SGD step) through --phases, --phase-steps steps each (one count for every
+phase, or one per phase), with routing driven by the router's logit bias (bench/drift.py: Zipf(s)
 skew over a seeded expert order whose hot set rotates every --rotate-every steps, or balanced).
 Every run sees the same inputs and the same biases at the same step. The runs:
 
-1. fixed0: the cost model's choice for balanced routing at --tokens on the planning record (what
-   auto with --trials 0 takes, unless a `search` order wins there: a Replanner never runs one,
-   so its candidates are taken here too), in every layer, all the way.
-2. replan: the same start plan with a Replanner (--replan-every/-threshold/-confirm, the same
-   planning record). 1 and 2 run interleaved, step by step (alternating which goes first).
+0. fixed0, the plan auto takes at step 0 seeing step 0's routing: the cost model's choice for
+   balanced routing at --tokens on the planning record (what auto with --trials 0 takes, unless a
+   `search` order wins there: a Replanner never runs one, so its candidates are taken here too),
+   then a Replanner's decision on one training step with the first phase's routing (threshold 0,
+   one window): with --capacity-factors, f is the smallest of them whose drop on that routing is
+   <= --max-drop. The plan of the layer that needs the most (largest f, then the busiest
+   routing) runs in every layer.
+1. fixed0, all the way.
+2. replan: the same start with a Replanner (--replan-every/-threshold/-confirm,
+   --capacity-factors, --max-drop, the same planning record). 1 and 2 run interleaved, step by
+   step (alternating which goes first).
 3. hindsight: a candidate set, each plan in every layer, fixed over all phases, interleaved with
    each other after 1-2: fixed0 (its times from 1), every plan the replanner switched to, and the
    cost model's --candidates best plans for the busiest layer's picture at each phase's last
-   decision point. Per phase the fastest of them; hindsight = the sum of those phase times.
-4. overhead: fixed0 vs replan again, balanced routing only, --overhead-steps steps: the cost of
-   watching and deciding when there is nothing to switch (a switch, if any, is reported).
+   decision point (at the f the drop budget picks for it). Per phase the fastest of them whose
+   drop in that phase is <= --max-drop (dropless plans drop nothing); hindsight = the sum of those
+   phase times.
+4. overhead: balanced routing only, --overhead-steps steps, each layer running the plan the replan
+   run ended with, without and with a Replanner deciding every --overhead-every steps (default: the
+   Replanner's own, 50): the cost of watching and deciding when there is nothing to switch (a
+   switch, if any, is reported).
 
 Time: `dist.timing.measure` (barrier, host clock, the slowest rank) of each training step, the
 replanner's step included; median_ms is a phase's median step, phase_ms the SUM of its step times
-(so a switch's first, slower step counts). Ratios: replan/fixed0 = fixed0 phase_ms / replan
-phase_ms (> 1: re-planning is faster); replan/hindsight = replan / hindsight phase_ms;
-overhead = replan / fixed0 step-time sum on balanced routing. predicted_ms (fixed0 and replan
-rows): the median over the phase's steps of the cost model's step (costmodel.prediction,
-summed over the layers) for the plan each layer ran, priced at the replanner's picture of that
-step's window (`Picture.priced_tokens`, as the replanner prices it); ratio = predicted / measured
-median. It models the MoE layers only (the loss and SGD step are in the measured time).
+(so a switch's first, slower step counts). drop: the fraction of the phase's choices (every layer,
+every rank) capacity mode dropped. Ratios: replan/fixed0 = fixed0 phase_ms / replan phase_ms
+(> 1: re-planning is faster); replan/hindsight = replan / hindsight phase_ms; overhead = replan /
+fixed0 step-time sum on balanced routing. predicted_ms (fixed0 and replan rows): the median over
+the phase's steps of the cost model's step (costmodel.prediction, summed over the layers) for the
+plan each layer ran, priced at the replanner's picture of that step's window
+(`Picture.priced_tokens`, as the replanner prices it); ratio = predicted / measured median. It
+models the MoE layers only (the loss and SGD step are in the measured time).
 
 Decision points cost the replan run: rank 0 prices each layer's picture (`picture.plan_for`: a
-simulation of ~100 candidates, cached per priced token count, which changes from window to
-window) while the other ranks wait; the `decision` and `other` rows split the replan run's step
-times into the steps that end at a decision point and the rest.
+simulation of ~100 candidates, cached per priced token count) while the other ranks wait; the
+`decision` and `other` rows split the replan run's step times into the steps that end at a
+decision point and the rest.
 
 On the emulated cluster, 2 nodes x 2 ranks, at a link rate where the layer spends about half of
 its step on the network (the `bench layer` line checks it: its header prints the all-to-alls'
-time and the compute bound, dropless at this shape):
+time and the compute bound), capacity mode, a skewed start that settles:
 
-    schemoe testbed up --nodes 2 --rate 1500mbit
+    schemoe testbed up --nodes 2 --rate 1gbit
     schemoe bench layer --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
-        --hidden-dim 512 --experts 8 --top-k 2 --capacity-factor 0 --repeats 5
+        --hidden-dim 512 --experts 8 --top-k 2 --capacity-factor 1.25 --repeats 5
     schemoe bench replan --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
-        --hidden-dim 512 --experts 8 --top-k 2 --layers 2 --phases zipf:1.2:rotate,balanced \
-        --phase-steps 30 --rotate-every 10 --replan-every 5 --overhead-steps 20
+        --hidden-dim 512 --experts 8 --top-k 2 --layers 2 --capacity-factor 1.25 \
+        --capacity-factors 1,1.25,1.5,2,2.5,3,4 --phases zipf:1.2:rotate,balanced \
+        --phase-steps 30,60 --rotate-every 10 --replan-every 5
     schemoe testbed down
 """
 
@@ -54,16 +67,16 @@ import torch
 import torch.distributed as dist
 
 from .. import config as c
-from ..cliargs import Check, for_flag
+from ..cliargs import Check, float_list, for_flag, int_list
 from ..costmodel.model import LayerShape
 from ..costmodel.prediction import predict_config
-from ..dist.timing import measure
 from ..dist.topology import layer_topology
 from ..train.checks import fits_in_memory, moe_layer_params
 from ..tuning.choose import AUTO_CHUNKS, AUTO_SKIPS, as_config, explore, shortlist
+from ..tuning.picture import with_capacity
 from ..tuning.plan import from_rank0, plan_record
 from . import output
-from .drift import Phase, Run, inputs, parse_phases, phase_bias, plan_name
+from .drift import Phase, Run, drive, parse_phases, plan_name, start_plan
 
 __all__ = ["CHECKS", "add_arguments", "bench", "check_world", "validate"]
 
@@ -75,7 +88,10 @@ CHECKS = {
     "--replan-every": Check(1),
     "--replan-threshold": Check(0),
     "--replan-confirm": Check(1),
+    "--capacity-factors": Check(0, strict=True),
+    "--max-drop": Check(0, 0.99),
     "--overhead-steps": Check(1),
+    "--overhead-every": Check(1),
     "--candidates": Check(1),
     "--lr": Check(0),
 }
@@ -85,8 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", default="zipf:1.2:rotate,balanced",
                    help="comma list of phases: balanced, zipf:S (Zipf(S) skew) or zipf:S:rotate "
                         "(its hot set moving every --rotate-every steps)")  # fmt: skip
-    p.add_argument("--phase-steps", type=int, default=30,
-                   help="training steps per phase (a multiple of --replan-every)")  # fmt: skip
+    p.add_argument("--phase-steps", type=int_list, default=[30],
+                   help="training steps per phase: one count, or one per phase (each a multiple "
+                        "of --replan-every)")  # fmt: skip
     p.add_argument("--rotate-every", type=int, default=10, help="steps between hot-set moves")
     p.add_argument("--layers", type=int, default=2, help="MoE layers in the stack")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step")
@@ -94,13 +111,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-dim", type=int, default=512, help="expert hidden dim H")
     p.add_argument("--experts", type=int, default=None, help="E (default: 2 per rank)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token k")
+    p.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="f of capacity mode (0: dropless); with --capacity-factors, fixed0's f "
+                        "comes from step 0's routing instead")  # fmt: skip
+    p.add_argument("--capacity-factors", type=float_list, default=None,
+                   help="capacity mode: the fs the replanner (and fixed0) may take, each "
+                        "decision the smallest whose drop is <= --max-drop")  # fmt: skip
+    p.add_argument("--max-drop", type=float, default=0.01,
+                   help="the drop fraction --capacity-factors are chosen for, and the most a "
+                        "hindsight plan may drop in a phase")  # fmt: skip
     p.add_argument("--replan-every", type=int, default=5, help="steps between decision points")
     p.add_argument("--replan-threshold", type=float, default=0.05,
                    help="predicted gain a plan needs, in [0, 1)")  # fmt: skip
     p.add_argument("--replan-confirm", type=int, default=2,
                    help="decision points in a row a plan must win before a switch")  # fmt: skip
-    p.add_argument("--overhead-steps", type=int, default=20,
+    p.add_argument("--overhead-steps", type=int, default=100,
                    help="steps of the balanced-only overhead comparison")  # fmt: skip
+    p.add_argument("--overhead-every", type=int, default=None,
+                   help="the overhead run's steps between decision points (default: the "
+                        "Replanner's, 50)")  # fmt: skip
     p.add_argument("--candidates", type=int, default=2,
                    help="the cost model's best plans per phase added to the hindsight set")  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
@@ -109,16 +138,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile store of the planning record (none stored: a quick profile)")  # fmt: skip
 
 
+def phase_steps(args: argparse.Namespace) -> list[int]:
+    """--phase-steps as one count per phase."""
+    n = len(parse_phases(args.phases))
+    return args.phase_steps * n if len(args.phase_steps) == 1 else list(args.phase_steps)
+
+
 def validate(args: argparse.Namespace) -> None:
     """What several flags allow together (ValueError naming the flag), before any rank starts."""
     with for_flag("--phases"):
-        parse_phases(args.phases)
+        phases = parse_phases(args.phases)
     if args.replan_threshold >= 1:
         raise ValueError(f"--replan-threshold must be < 1, got {args.replan_threshold:g}")
-    if args.phase_steps % args.replan_every:
+    if len(args.phase_steps) not in (1, len(phases)):
         raise ValueError(
-            f"--phase-steps {args.phase_steps} must be a multiple of --replan-every "
-            f"{args.replan_every} (each phase a whole number of decision windows)"
+            f"--phase-steps {','.join(map(str, args.phase_steps))}: give one count or one per "
+            f"phase ({len(phases)} in --phases {args.phases})"
+        )
+    for n in args.phase_steps:
+        if n % args.replan_every:
+            raise ValueError(
+                f"--phase-steps {n} must be a multiple of --replan-every {args.replan_every} "
+                "(each phase a whole number of decision windows)"
+            )
+    if args.capacity_factors and not args.capacity_factor:
+        raise ValueError(
+            "--capacity-factors needs capacity mode: give --capacity-factor F > 0 (dropless "
+            "layers have no f to choose)"
         )
 
 
@@ -139,7 +185,7 @@ def _config(args, world: int, rpn: int) -> c.MoEConfig:
         gate=c.GateConfig(
             num_experts=args.experts or 2 * world,
             top_k=args.top_k,
-            capacity_factor=0.0,
+            capacity_factor=args.capacity_factor,
             logit_bias=True,
         ),
         experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim),
@@ -155,37 +201,17 @@ def _best(config: c.MoEConfig, tokens: int, hw, n: int) -> list[c.MoEConfig]:
     return [as_config(config, p) for p in shortlist(preds, n)]
 
 
-def _drive(runs: list[Run], phases: list[Phase], steps: int, args, rank: int, order_E):
-    """Every run through `phases`, step by step interleaved; each run's step times (ms)."""
-    x_TM = inputs(args.seed, rank, 0, args.tokens, args.model_dim)
-    for r in runs:
-        r.warm(x_TM)
-    times = {r.name: [] for r in runs}
-    s = 0
-    for phase in phases:
-        for j in range(steps):
-            s += 1
-            x_TM = inputs(args.seed, rank, s, args.tokens, args.model_dim)
-            bias_E = phase_bias(phase, j, args.rotate_every, order_E)
-            for r in runs:
-                r.prepare(x_TM, bias_E)
-            turn = runs if s % 2 else runs[::-1]  # neither run always goes first
-            stats = measure({r.name: r.step for r in turn}, warmup=0, repeats=1)
-            for r in runs:
-                times[r.name].append(stats[r.name].median_ms)
-    return times
-
-
-def _candidates(config, fixed0, replan: Run, phases, steps: int, hw, n: int) -> list:
+def _candidates(config, fixed0, replan: Run, ends: list[int], hw, args) -> list:
     """The hindsight set (module docstring, 3), fixed0 first, without repeats."""
     out = [fixed0]
     out += [s.config for s in replan.replanner.history]
-    k = config.gate.top_k
-    for p in range(len(phases)):
-        pics = [v for v in replan.pictures.get((p + 1) * steps, {}).values() if v is not None]
+    k, fs = config.gate.top_k, tuple(sorted(args.capacity_factors or ()))
+    for end in ends:
+        pics = [v for v in replan.pictures.get(end, {}).values() if v is not None]
         if pics:
-            tokens = max(pic.priced_tokens(k, True) for pic in pics)
-            out += _best(config, tokens, hw, n)
+            pic = max(pics, key=lambda p: p.busiest())
+            base = with_capacity(fixed0, pic, fs, args.max_drop)
+            out += _best(base, pic.priced_tokens(k, base.gate.dropless), hw, args.candidates)
     seen, unique = set(), []
     for cfg in out:
         if (key := plan_name(cfg)) not in seen:
@@ -206,7 +232,7 @@ def _predicted(run: Run, pictures: dict, steps: range, every: int, hw, k: int, c
             pic = pics.get(i)
             if pic is None:
                 break
-            key = (plan_name(plan), pic.priced_tokens(k, True))
+            key = (plan_name(plan), pic.priced_tokens(k, plan.gate.dropless))
             if key not in cache:
                 cache[key] = predict_config(plan, key[1], hw).step_s * 1e3
             total += cache[key]
@@ -215,13 +241,16 @@ def _predicted(run: Run, pictures: dict, steps: range, every: int, hw, k: int, c
     return statistics.median(per_step) if per_step else None
 
 
-def _phase_rows(name: str, times: list[float], run: Run, phases, steps: int) -> list[dict]:
+def _phase_rows(name: str, times: list[float], drops: list[float], run: Run, phases,
+                spans: list[range]) -> list[dict]:  # fmt: skip
     rows = []
-    for p, phase in enumerate(phases):
-        t = times[p * steps : (p + 1) * steps]
-        plans = {plan_name(cfg) for per in run.running[p * steps : (p + 1) * steps] for cfg in per}
-        rows.append({"run": name, "phase": phase.name, "steps": steps,
+    for phase, span in zip(phases, spans):
+        t = times[span.start - 1 : span.stop - 1]
+        plans = {plan_name(cfg) for per in run.running[span.start - 1 : span.stop - 1]
+                 for cfg in per}  # fmt: skip
+        rows.append({"run": name, "phase": phase.name, "steps": len(t),
                      "median_ms": statistics.median(t), "phase_ms": sum(t),
+                     "drop": statistics.fmean(drops[span.start - 1 : span.stop - 1]),
                      "plans": "+".join(sorted(plans))})  # fmt: skip
     return rows
 
@@ -236,60 +265,67 @@ def bench(args: argparse.Namespace, env) -> None:
     hw, quick = plan_record(topo, env.links, args.profile, model_dim=args.model_dim,
                             hidden=args.hidden_dim, tokens=args.tokens, experts=E)  # fmt: skip
     hw_t = hw.with_topology(topo.nodes, topo.ranks_per_node)
-    fixed0 = from_rank0(lambda: _best(config, args.tokens, hw_t, 1)[0], topo)
-    phases = parse_phases(args.phases)
+    phases, steps = parse_phases(args.phases), phase_steps(args)
     order_E = torch.randperm(E, generator=torch.Generator().manual_seed(args.seed)).tolist()
     kw = {"layers": args.layers, "seed": args.seed, "lr": args.lr}
     rp = {"every": args.replan_every, "threshold": args.replan_threshold,
-          "confirm": args.replan_confirm, "hardware": hw}  # fmt: skip
-    steps = args.phase_steps
+          "confirm": args.replan_confirm, "hardware": hw, "max_drop": args.max_drop,
+          "capacity_factors": tuple(args.capacity_factors or ())}  # fmt: skip
+    start = from_rank0(lambda: _best(config, args.tokens, hw_t, 1)[0], topo)
+    fixed0 = start_plan(config, start, args, rank, order_E, phases[0], rp)
 
     # 1-2. fixed0 and replan, interleaved.
     fixed, replan = (
         Run("fixed0", config, fixed0, **kw),
         Run("replan", config, fixed0, **kw, replan=rp),
     )
-    times = _drive([fixed, replan], phases, steps, args, rank, order_E)
+    times = drive([fixed, replan], phases, steps, args, rank, order_E)
     # 3. The hindsight set, fixed over all phases (fixed0's times from 1).
-    cands = from_rank0(
-        lambda: _candidates(config, fixed0, replan, phases, steps, hw_t, args.candidates), topo
-    )
+    ends = [sum(steps[: p + 1]) for p in range(len(phases))]
+    cands = from_rank0(lambda: _candidates(config, fixed0, replan, ends, hw_t, args), topo)
     hind = [Run(f"fixed:{plan_name(cfg)}", config, cfg, **kw) for cfg in cands[1:]]
-    times |= _drive(hind, phases, steps, args, rank, order_E) if hind else {}
+    times |= drive(hind, phases, steps, args, rank, order_E) if hind else {}
     hind_runs = [fixed] + hind
-    # 4. Overhead on balanced routing: the same plan, watched and not.
-    o_fixed = Run("overhead:fixed0", config, fixed0, **kw)
-    o_replan = Run("overhead:replan", config, fixed0, **kw, replan=rp)
-    o_times = _drive([o_fixed, o_replan], [Phase("balanced")], args.overhead_steps, args, rank,
+    drops = {r.name: r.dropped() for r in [fixed, replan] + hind}  # collective
+    # 4. Overhead on balanced routing: the replan run's last plans, watched and not.
+    last = [m.running for m in replan.layers]
+    o_rp = {k: v for k, v in rp.items() if k != "every"}  # the Replanner's default every
+    o_rp |= {"every": args.overhead_every} if args.overhead_every else {}
+    o_fixed = Run("overhead:fixed0", config, last, **kw)
+    o_replan = Run("overhead:replan", config, last, **kw, replan=o_rp)
+    o_times = drive([o_fixed, o_replan], [Phase("balanced")], [args.overhead_steps], args, rank,
                      order_E)  # fmt: skip
     _report(args, env, world, fixed0, phases, (fixed, replan, hind_runs, o_replan),
-            times, o_times, hw_t, quick)  # fmt: skip
+            times, drops, o_times, hw_t, quick)  # fmt: skip
 
 
-def _report(args, env, world, fixed0, phases, runs, times, o_times, hw_t, quick) -> None:
+def _report(args, env, world, fixed0, phases, runs, times, drops, o_times, hw_t, quick) -> None:
     fixed, replan, hind_runs, o_replan = runs
-    steps, k = args.phase_steps, args.top_k
+    steps, k = phase_steps(args), args.top_k
+    spans = [range(sum(steps[:p]) + 1, sum(steps[: p + 1]) + 1) for p in range(len(phases))]
     rows = []
     for r in hind_runs[:1] + [replan] + hind_runs[1:]:
-        rows += _phase_rows(r.name, times[r.name], r, phases, steps)
+        rows += _phase_rows(r.name, times[r.name], drops[r.name], r, phases, spans)
     cache: dict = {}
     if dist.get_rank() == 0:  # the cost model on rank 0 only: it prints
         for row in rows:
             if row["run"] in ("fixed0", "replan"):
                 p = next(i for i, ph in enumerate(phases) if ph.name == row["phase"])
                 run = fixed if row["run"] == "fixed0" else replan
-                span = range(p * steps + 1, (p + 1) * steps + 1)
                 # fixed0 saw the same routing: priced at the replanner's pictures too.
-                row["predicted_ms"] = _predicted(run, replan.pictures, span, args.replan_every,
-                                                 hw_t, k, cache)  # fmt: skip
+                row["predicted_ms"] = _predicted(run, replan.pictures, spans[p],
+                                                 args.replan_every, hw_t, k, cache)  # fmt: skip
                 if row["predicted_ms"] is not None:
                     row["ratio"] = row["predicted_ms"] / row["median_ms"]
     by = {(r["run"], r["phase"]): r for r in rows}
     hindsight, speed = [], []
     for ph in phases:
-        best = min((by[(r.name, ph.name)] for r in hind_runs), key=lambda r: r["phase_ms"])
-        hindsight.append({"run": "hindsight", "phase": ph.name, "steps": steps,
-                          "phase_ms": best["phase_ms"], "plans": best["plans"]})  # fmt: skip
+        phase_rows = [by[(r.name, ph.name)] for r in hind_runs]
+        within = [r for r in phase_rows if r["drop"] <= args.max_drop] or phase_rows
+        best = min(within, key=lambda r: r["phase_ms"])
+        hindsight.append({"run": "hindsight", "phase": ph.name, "steps": best["steps"],
+                          "phase_ms": best["phase_ms"], "drop": best["drop"],
+                          "plans": best["plans"]})  # fmt: skip
         f, r = by[("fixed0", ph.name)]["phase_ms"], by[("replan", ph.name)]["phase_ms"]
         speed.append({"run": "replan/fixed0", "phase": ph.name, "ratio": f / r})
     total = {n: sum(times[n]) for n in times}
@@ -310,7 +346,9 @@ def _report(args, env, world, fixed0, phases, runs, times, o_times, hw_t, quick)
     o_switches = [s.as_dict() for s in o_replan.replanner.history]
     config = {k: getattr(args, k) for k in ("tokens", "model_dim", "hidden_dim", "top_k",
                                            "layers", "phases", "phase_steps", "rotate_every")}  # fmt: skip
-    config |= {"experts": fixed0.gate.num_experts, "f": 0, "every": args.replan_every,
+    config |= {"experts": fixed0.gate.num_experts, "f": args.capacity_factor,
+               "capacity_factors": args.capacity_factors, "max_drop": args.max_drop,
+               "every": args.replan_every, "overhead_every": o_replan.replanner.every,
                "threshold": args.replan_threshold, "confirm": args.replan_confirm,
                "overhead_steps": args.overhead_steps, "seed": args.seed}  # fmt: skip
     head = output.header("schemoe bench replan", config, env.topology(world), env.link())
@@ -348,5 +386,6 @@ def _report(args, env, world, fixed0, phases, runs, times, o_times, hw_t, quick)
         "profile_key": env.profile_key(world),
         "auto_profile": quick,
     }
-    cols = ["run", "phase", "steps", "median_ms", "phase_ms", "predicted_ms", "ratio", "plans"]
+    cols = ["run", "phase", "steps", "median_ms", "phase_ms", "drop", "predicted_ms", "ratio",
+            "plans"]  # fmt: skip
     output.report(head, rows + split + hindsight + ratios, cols, summary)

@@ -40,7 +40,7 @@ from ..costmodel.model import A2A_MODELS, LayerShape
 from ..costmodel.prediction import Prediction, predict_config
 from .choose import AUTO_CHUNKS, AUTO_SKIPS, as_config, explore, shortlist
 
-__all__ = ["Picture", "on_grid", "plan_for", "with_capacity"]
+__all__ = ["Picture", "on_grid", "plan_for", "running_step_s", "with_capacity"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,18 @@ def _same_plan(config: MoEConfig, p: Prediction) -> bool:
     )
 
 
+def running_step_s(config: MoEConfig, tokens: int, hw: Hardware, cache: dict | None) -> float:
+    """The cost model's step (seconds) of `config` at `tokens` on `hw`, memoised in `cache`
+    (a decision point asks it of every layer's running plan at every window)."""
+    key = ("running", repr(config), tokens, hw.dumps())
+    if cache is None or key not in cache:
+        step_s = predict_config(config, tokens, hw).step_s
+        if cache is None:
+            return step_s
+        cache[key] = step_s
+    return cache[key]
+
+
 def plan_for(
     running: MoEConfig,
     tokens: int,
@@ -191,7 +203,7 @@ def plan_for(
             cache[key] = best
     else:
         best = cache[key]
-    now = predict_config(running, tokens, hw).step_s
+    now = running_step_s(running, tokens, hw, cache)
     if _same_plan(running, best) or now <= 0:
         return running, now, 0.0
     return as_config(running, best), now, 1.0 - best.step_s / now

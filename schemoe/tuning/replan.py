@@ -64,7 +64,6 @@ from torch import nn
 from ..config import MoEConfig
 from ..costmodel import profiles
 from ..costmodel.hardware import Hardware
-from ..costmodel.prediction import predict_config
 from ..dist.devices import comm_device, control_tensor
 from ..dist.links import Links
 from ..dist.timing import percentile
@@ -72,9 +71,9 @@ from ..layer.moe import MoELayer
 from ..layer.recompute import replaying
 from .auto import AutoTuner
 from .choose import BUDGETS
-from .picture import Picture, on_grid, plan_for, with_capacity
+from .picture import Picture, on_grid, plan_for, running_step_s, with_capacity
 from .plan import from_rank0, plan_record
-from .switch import Switch, check_schedule, number_in, positive_int, schedule_of
+from .switch import Switch, check_schedule, number_in, positive_int, schedule_of, trace_plans
 
 __all__ = ["Replanner", "Switch", "schedule_of"]
 
@@ -162,7 +161,7 @@ class Replanner:
         self._watch = [_Watch() for _ in self.layers]
         self._records: dict[tuple, Hardware] = {}
         self._cache: dict = {}
-        self._hooks = []
+        self._hooks, self._since = [], time.perf_counter()
         for i, m in enumerate(self.layers):
             m.record_routing = True
             total = m.routing_total  # the first window starts here (a device copy, no sync)
@@ -216,11 +215,13 @@ class Replanner:
         """Call on every rank after optimizer step `step` (default: the previous one + 1).
         Applies forced plans that run from step + 1, and at a decision point (step % every == 0)
         gathers the pictures, decides and measures (collective over each layer's group).
-        Returns the Switch records made or measured in this call."""
+        Returns the Switch records made or measured in this call. While a trace records
+        (`schemoe.trace.record`), adds a span per layer named by the plan it ran (`trace_plans`)."""
         step = self.done + 1 if step is None else step
         if isinstance(step, bool) or not isinstance(step, int) or step <= self.done:
             raise ValueError(f"step must be an int > the last one ({self.done}), got {step!r}")
         self.done = step
+        self._since = trace_plans(self.layers, self._since)  # a span per layer while tracing
         n = len(self.history)
         changed: list[int] = []
         if step % self.every == 0 and (self.tuner is None or not self.tuner.tuning):
@@ -375,7 +376,7 @@ class Replanner:
         if v is None or base is running:
             return v
         cfg, base_s, gain = v  # the gain over the running plan at its own f
-        now = predict_config(running, tokens, hw).step_s
+        now = running_step_s(running, tokens, hw, self._cache)
         return cfg, now, 1.0 - base_s * (1.0 - gain) / now if now > 0 else 0.0
 
     def _hardware(self, i: int, pictures: list[Picture | None]) -> Hardware | None:

@@ -1,16 +1,20 @@
 """The re-planner's records (replan.py): a `Switch` per plan change, the forced schedule that
-replays a history, and the checks of the re-planner's arguments."""
+replays a history, a plan's name and its span in a trace, and the checks of the re-planner's
+arguments."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .. import trace
 from ..config import MoEConfig
-from ..layer.moe import NEEDS_TUNER
+from ..layer.moe import NEEDS_TUNER, MoELayer
 
-__all__ = ["Switch", "check_schedule", "number_in", "positive_int", "schedule_of"]
+__all__ = ["Switch", "check_schedule", "number_in", "plan_name", "positive_int", "schedule_of",
+           "trace_plans"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,25 @@ def schedule_of(history: list[Switch]) -> dict[int, dict[int, MoEConfig]]:
     for s in history:
         out.setdefault(s.step, {})[s.layer] = s.config
     return out
+
+
+def plan_name(config: MoEConfig) -> str:
+    """policy/r/algorithm/compression, and /fF in capacity mode: "schemoe/r4/naive/none/f1.25"."""
+    s = config.summary()
+    name = f"{s['policy']}/r{s['chunks']}/{s['algorithm']}/{s['compression']}"
+    return name if config.gate.dropless else f"{name}/f{config.gate.capacity_factor:g}"
+
+
+def trace_plans(layers: Sequence[MoELayer], since: float) -> float:
+    """When a trace is recording (`schemoe.trace.record`), one span per layer from `since` to
+    now on the resource "plan L<i>", named by the plan the layer runs (the re-planner calls it
+    after each step, so the trace shows which plan ran when); returns now."""
+    now = time.perf_counter()
+    if (tracer := trace.active("plan")) is not None:
+        for i, m in enumerate(layers):
+            if m.running is not None:
+                tracer.record(trace.Mark(f"L{i} {plan_name(m.running)}", f"plan L{i}"), since, now)
+    return now
 
 
 def number_in(v: object, lo: float, hi: float) -> bool:
