@@ -185,7 +185,10 @@ REFUSED = [
     (["--phase-steps", "0"], "--phase-steps must be >= 1 (each), got 0"),
     (["--phase-steps", "10,10,10"], "--phase-steps 10,10,10: give one count or one per phase (2"),
     (["--phase-steps", "10,7"], "--phase-steps 7 must be a multiple of --replan-every 5"),
-    (["--capacity-factors", "1,2"], "--capacity-factors needs capacity mode: give --capacity-f"),
+    (
+        ["--capacity-factors", "1,2"],
+        "--capacity-factors 1,2 needs capacity mode: give --capacity-f",
+    ),
     (["--capacity-factors", "0,2", "--capacity-factor", "1"], "--capacity-factors must be > 0"),
     (["--max-drop", "1"], "--max-drop must be >= 0 and <= 0.99 and finite, got 1"),
     (["--overhead-every", "0"], "--overhead-every must be >= 1, got 0"),

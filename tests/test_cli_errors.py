@@ -24,6 +24,22 @@ CASES = {
     # schemoe train
     "train ep-size below one": (["train", "--ep-size", "-1"], "--ep-size", "-1"),
     "train no experts": (["train", "--experts", "0"], "--experts", "0"),
+    "train replan capacity factors dropless": (
+        ["train", "--replan", "--capacity-factor", "0", "--replan-capacity-factors", "1,2"],
+        "--replan-capacity-factors",
+        "1,2",
+    ),
+    "train replan capacity factors without replan": (
+        ["train", "--replan-capacity-factors", "0.5"],
+        "--replan-capacity-factors",
+        "0.5",
+    ),
+    "train replan max drop": (["train", "--replan-max-drop", "1"], "--replan-max-drop", "1"),
+    "bench replan capacity factors dropless": (
+        ["bench", "replan", "--capacity-factors", "1,2"],
+        "--capacity-factors",
+        "1,2",
+    ),
     "train option of no compressor": (
         ["train", "--compressor-option", "foo.bar=1"],
         "--compressor-option",

@@ -312,6 +312,17 @@ def test_train_with_replan_switches_a_slow_plan_and_logs_the_switch(tmp_path, ca
     assert len(lines) == 1 and "from step 5 (was tutel r=8 naive none" in lines[0]
 
 
+def test_train_with_replan_capacity_factors_switches_f_by_its_drop_budget(monkeypatch, capsys):
+    monkeypatch.setattr(replan, "plan_record", lambda topo, *a, **k: (TOY, None))
+    out = loop.train(0, 1, tiny("--steps", "4", "--replan", "--replan-every", "2",
+                                "--capacity-factor", "1.25", "--replan-capacity-factors", "3,4",
+                                "--replan-max-drop", "0", "--eval-seqs", "0"))  # fmt: skip
+    # No drop at all: f = 3 is the smallest that keeps every choice (one process, E = 2).
+    assert [(s["step"], s["new"]["capacity_factor"]) for s in out["replans"]] == [(5, 3.0)]
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("replan:")]
+    assert "none f=3 from step 5 (was schemoe r=2 naive none f=1.25;" in line
+
+
 # ------------------------------------------------------------------ the window
 def _calls(layer: MoELayer, n: int) -> None:
     for _ in range(n):

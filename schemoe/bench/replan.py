@@ -48,14 +48,16 @@ On the emulated cluster, 2 nodes x 2 ranks, at a link rate where the layer spend
 its step on the network (the `bench layer` line checks it: its header prints the all-to-alls'
 time and the compute bound), capacity mode, a skewed start that settles:
 
-    schemoe testbed up --nodes 2 --rate 1gbit
+    schemoe testbed up --nodes 2 --rate 1500mbit
     schemoe bench layer --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
         --hidden-dim 512 --experts 8 --top-k 2 --capacity-factor 1.25 --repeats 5
     schemoe bench replan --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
         --hidden-dim 512 --experts 8 --top-k 2 --layers 2 --capacity-factor 1.25 \
         --capacity-factors 1,1.25,1.5,2,2.5,3,4 --phases zipf:1.2:rotate,balanced \
-        --phase-steps 30,60 --rotate-every 10 --replan-every 5
+        --phase-steps 30,120 --rotate-every 10 --replan-every 5
     schemoe testbed down
+
+(docs/results/replan_2026-12-06/replan_testbed.sh runs these with a stored profile.)
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from ..train.checks import fits_in_memory, moe_layer_params
 from ..tuning.choose import AUTO_CHUNKS, AUTO_SKIPS, as_config, explore, shortlist
 from ..tuning.picture import with_capacity
 from ..tuning.plan import from_rank0, plan_record
+from ..tuning.replan import MAX_DROP
 from . import output
 from .drift import Phase, Run, drive, parse_phases, plan_name, start_plan
 
@@ -117,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-factors", type=float_list, default=None,
                    help="capacity mode: the fs the replanner (and fixed0) may take, each "
                         "decision the smallest whose drop is <= --max-drop")  # fmt: skip
-    p.add_argument("--max-drop", type=float, default=0.01,
+    p.add_argument("--max-drop", type=float, default=MAX_DROP,
                    help="the drop fraction --capacity-factors are chosen for, and the most a "
                         "hindsight plan may drop in a phase")  # fmt: skip
     p.add_argument("--replan-every", type=int, default=5, help="steps between decision points")
@@ -163,8 +166,8 @@ def validate(args: argparse.Namespace) -> None:
             )
     if args.capacity_factors and not args.capacity_factor:
         raise ValueError(
-            "--capacity-factors needs capacity mode: give --capacity-factor F > 0 (dropless "
-            "layers have no f to choose)"
+            f"--capacity-factors {','.join(f'{f:g}' for f in args.capacity_factors)} needs "
+            "capacity mode: give --capacity-factor F > 0 (dropless layers have no f to choose)"
         )
 
 

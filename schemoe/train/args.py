@@ -9,7 +9,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from .. import compression
-from ..cliargs import Parser
+from ..cliargs import Parser, float_list
 from ..collectives import ALGORITHMS
 from ..config import EXPERT_IMPLS
 from ..scheduling import POLICIES
@@ -124,6 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       "r, algorithm, compressor within --budget) predicted >= 5%% faster twice in a row is "
       "switched to; each switch is a console line and a --log-file row")  # fmt: skip
     m("--replan-every", type=int, help="--replan: steps between decision points")
+    m("--replan-capacity-factors", type=float_list, metavar="F,F,...",
+      help="--replan in capacity mode: the capacity factors a layer may switch between, each "
+      "decision the smallest whose estimated drop is <= --replan-max-drop (f changes results)")  # fmt: skip
+    m("--replan-max-drop", type=float, help="--replan-capacity-factors: the drop budget")
     m("--algorithm", help=f"all-to-all algorithm: {', '.join(ALGORITHMS.names())}")
     m("--compressor",
       help=f"forward (activation) compressor: {', '.join(compression.COMPRESSORS.names())}")  # fmt: skip

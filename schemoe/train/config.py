@@ -35,6 +35,7 @@ from ..cliargs import for_flag
 from ..collectives import ALGORITHMS
 from ..scheduling import POLICIES
 from ..step.gradsync import COMPRESS, GRAD_SYNCS, SYNCS
+from ..tuning.replan import EVERY, MAX_DROP
 from .checks import check_corpus, check_machine, check_paths, check_settings
 from .model import GPTConfig, corpus_size
 
@@ -81,6 +82,7 @@ FLOAT_RANGE = (
     ("weight_decay", 0.0, math.inf, False),
     ("clip", 0.0, math.inf, False),
     ("timeout", 0.0, 1e9, True),
+    ("replan_max_drop", 0.0, 0.99, False),
 )  # fmt: skip  (beyond ~30 years timedelta overflows)
 CHOICES = {"device": DEVICES, "dtype": DTYPES, "grad_sync": SYNCS,
            "grad_compressor": tuple(sorted(COMPRESS)), "grad_algorithm": tuple(GRAD_SYNCS.names())}  # fmt: skip
@@ -89,6 +91,8 @@ CHOICES = {"device": DEVICES, "dtype": DTYPES, "grad_sync": SYNCS,
 # outside their FSDP hooks. (Checkpoints write the DTensors through DCP.)
 FSDP_NEEDS = {"grad_sync": "ddp", "grad_compressor": "none", "bucket_mb": None, "micro_chunks": 1}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+TUPLES = {"compressor_option": ((str,), "strings"),
+          "replan_capacity_factors": ((int, float), "numbers")}  # fmt: skip
 
 
 def flag(name: str) -> str:
@@ -184,7 +188,9 @@ class TrainConfig:
     trials: int = _layer("trials")
     shortlist: int = _layer("shortlist")
     replan: bool = False
-    replan_every: int = 50
+    replan_every: int = EVERY
+    replan_capacity_factors: tuple[float, ...] = ()  # Replanner(capacity_factors, max_drop)
+    replan_max_drop: float = MAX_DROP
     algorithm: str = _layer("algorithm")
     compressor: str = _layer("compressor")
     compressor_backward: str = _layer("compressor_backward")
@@ -228,7 +234,8 @@ class TrainConfig:
         return cls(**{k: v for k, v in vars(a).items() if k in names})
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compressor_option", tuple(self.compressor_option))
+        for n in TUPLES:
+            object.__setattr__(self, n, tuple(getattr(self, n)))
         self._check_types()
         check_settings(self)  # the ranges every command shares; --warmup vs --steps
         self._check_ranges()
@@ -260,13 +267,14 @@ class TrainConfig:
     def _check_types(self) -> None:
         for f in fields(self):
             v, hint = getattr(self, f.name), str(f.type)
-            if (v is None and "None" in hint) or f.name in ("micro_chunks", "compressor_option"):
+            if (v is None and "None" in hint) or f.name in (*TUPLES, "micro_chunks"):
                 continue
             want = _TYPES[hint.split(" |")[0]]
             if isinstance(v, bool) != (bool in want) or not isinstance(v, want):
                 raise TypeError(f"{flag(f.name)} must be {hint}, got {type(v).__name__} {v!r}")
-        if not all(isinstance(o, str) for o in self.compressor_option):
-            raise TypeError(f"--compressor-option takes strings, got {self.compressor_option!r}")
+        for n, (want, what) in TUPLES.items():
+            if not all(isinstance(v, want) and not isinstance(v, bool) for v in getattr(self, n)):
+                raise TypeError(f"{flag(n)} takes {what}, got {getattr(self, n)!r}")
         for n, allowed in CHOICES.items():
             if getattr(self, n) not in allowed:
                 raise ValueError(f"{flag(n)} must be one of {allowed}, got {getattr(self, n)!r}")
@@ -288,6 +296,10 @@ class TrainConfig:
             raise ValueError(f"--micro-chunks {m} needs a fixed --policy, got {self.policy!r}")
         if (m == "auto" or m > 1) and self.shared_experts:  # the stack has no S task yet
             raise ValueError(f"--micro-chunks {m} cannot run --shared-experts yet; use 1")
+        fs = self.replan_capacity_factors
+        if fs and not (self.replan and self.capacity_factor > 0 and min(fs) > 0):
+            raise ValueError(f"--replan-capacity-factors needs --replan, capacity mode "
+                             f"(--capacity-factor > 0) and each f > 0, got {','.join(f'{f:g}' for f in fs)}")  # fmt: skip
         if (m == "auto" or m > 1) and self.replan:  # its calls bypass the layers' forward hooks
             raise ValueError(f"--micro-chunks {m} cannot run --replan yet; use 1")
         if (m == "auto" or m > 1) and self.activation_checkpointing:  # the stack runs its own
@@ -304,8 +316,7 @@ class TrainConfig:
             raise ValueError(f"--bucket-mb must be > 0 and finite, got {self.bucket_mb:g}")
 
     def num_experts(self, world: int | None) -> int:
-        """--experts, or by default 2 per expert-parallel rank (--ep-size, else every rank; 2 per
-        rank when the rank count is not known yet)."""
+        """--experts, else 2 per expert-parallel rank (--ep-size, else every rank, else 2)."""
         if self.experts is not None:
             return self.experts
         return 2 * (self.ep_size or world or 1)
@@ -385,5 +396,5 @@ class TrainConfig:
     def settings(self) -> dict[str, Any]:
         """Every setting by name (JSON-ready: the checkpoint's "args")."""
         out = dataclasses.asdict(self)
-        out["compressor_option"] = list(self.compressor_option)
+        out |= {n: list(getattr(self, n)) for n in TUPLES}
         return out

@@ -110,10 +110,14 @@ def replan_line(switch: Switch) -> str:
     """The console line of a --replan switch (a `schemoe.tuning.replan.Switch`)."""
 
     def plan(d: dict) -> str:
-        return f"{d.get('policy')} r={d.get('chunks')} {d.get('algorithm')} {d.get('compression')}"
+        f = f" f={d['capacity_factor']:g}" if "capacity_factor" in d else ""
+        return (
+            f"{d.get('policy')} r={d.get('chunks')} {d.get('algorithm')} {d.get('compression')}{f}"
+        )
 
     gain = switch.predicted_gain
     shown = "forced" if gain is None else f"predicted {100 * gain:.1f}% faster"
+    # A plan with another f is taken for the drop budget, even when predicted slower.
     return (f"replan: MoE layer {switch.layer} runs {plan(switch.new)} from step {switch.step} "
             f"(was {plan(switch.old)}; {shown})")  # fmt: skip
 

@@ -149,7 +149,8 @@ def replanner(run: Run) -> Replanner | None:
     if not cfg.replan:
         return None
     return Replanner(run.core, every=cfg.replan_every, budget=cfg.budget, start=run.start,
-                     tuner=run.tuner)  # fmt: skip
+                     tuner=run.tuner, capacity_factors=cfg.replan_capacity_factors,
+                     max_drop=cfg.replan_max_drop)  # fmt: skip
 
 
 def restore(run: Run) -> None:

@@ -75,7 +75,9 @@ from .picture import Picture, on_grid, plan_for, running_step_s, with_capacity
 from .plan import from_rank0, plan_record
 from .switch import Switch, check_schedule, number_in, positive_int, schedule_of, trace_plans
 
-__all__ = ["Replanner", "Switch", "schedule_of"]
+__all__ = ["EVERY", "MAX_DROP", "Replanner", "Switch", "schedule_of"]
+
+EVERY, MAX_DROP = 50, 0.01  # the defaults of Replanner's every and max_drop (and of the CLIs)
 
 log = logging.getLogger("schemoe.tuning.replan")
 
@@ -122,7 +124,7 @@ class Replanner:
         self,
         model: nn.Module,
         *,
-        every: int = 50,
+        every: int = EVERY,
         threshold: float = 0.05,
         confirm: int = 2,
         budget: str | None = None,
@@ -131,7 +133,7 @@ class Replanner:
         start: int = 0,
         tuner: AutoTuner | None = None,
         capacity_factors: tuple[float, ...] = (),
-        max_drop: float = 0.01,
+        max_drop: float = MAX_DROP,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Replanner needs an nn.Module, got {type(model).__name__}")
