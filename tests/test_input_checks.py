@@ -4,6 +4,8 @@ refused in the same words by every command that has it."""
 
 from __future__ import annotations
 
+import sysconfig
+
 import pytest
 
 from schemoe import cli
@@ -11,7 +13,7 @@ from schemoe.cliargs import FLAG_CHECKS, flag_problem
 from schemoe.config import GateConfig
 from schemoe.train import checks
 from schemoe.train.config import TrainConfig
-from schemoe.train.model import read_corpus, text_problem
+from schemoe.train.model import corpus_files, read_corpus, text_problem
 from train_cases import tiny
 
 
@@ -82,6 +84,18 @@ def test_a_corpus_folder_takes_legacy_encodings_but_names_a_file_with_nul_bytes(
     (tmp_path / "b.txt").write_bytes(b"x\0" * 10)
     with pytest.raises(ValueError, match=r"corpus file '.*b\.txt' is not text: .*NUL byte at"):
         read_corpus(str(tmp_path), 100_000)
+
+
+def test_the_default_corpus_is_the_stdlib_without_installed_packages(tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    for rel in ("os.py", "json/__init__.py", "site-packages/torch/x.py", "dist-packages/y.txt"):
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text(rel)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    root, files = corpus_files(None)
+    assert [f.relative_to(root).as_posix() for f in files] == ["json/__init__.py", "os.py"]
+    named = corpus_files(str(lib))[1]  # a folder the user names is read whole
+    assert len(named) == 4
 
 
 def test_a_corpus_read_only_up_to_corpus_bytes_is_not_refused_for_what_comes_after(tmp_path):

@@ -148,7 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o("--eval-every", type=int, help="eval loss every n steps (and at the end)")
     o("--eval-seqs", type=int, help="held-out sequences per eval (0 = no eval)")
     o("--seed", type=int, help="seed of init, data order and router noise")
-    o("--corpus", help="text file or folder (default: Python's stdlib sources)")
+    o(
+        "--corpus",
+        help="text file or folder (default: the Python stdlib's own sources, not site-packages)",
+    )
     o("--corpus-bytes", type=int, help="bytes of the corpus read")
     s = _defaulted(p.add_argument_group("gradient synchronisation (dense weights)").add_argument)
     s(

@@ -19,6 +19,7 @@ the plain per-block loop. With `checkpoint` that loop runs every block under
 from __future__ import annotations
 
 import codecs
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,7 +180,13 @@ class GPT(nn.Module):
 MIN_CORPUS_BYTES = 10_000  # below this a run would see the same few windows over and over
 
 
-def _corpus_files(path: str | None) -> tuple[Path, list[Path]]:
+CORPUS_SUFFIXES = (".py", ".txt", ".md")
+INSTALLED = frozenset({"site-packages", "dist-packages"})  # not the stdlib: varies per machine
+
+
+def corpus_files(path: str | None) -> tuple[Path, list[Path]]:
+    """The corpus root and its files in order. The default (no path) is the stdlib's own sources:
+    the walk skips the installed packages under it, which differ from machine to machine."""
     root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
     if not root.exists():
         raise ValueError(f"corpus path {str(root)!r} does not exist")
@@ -187,7 +194,13 @@ def _corpus_files(path: str | None) -> tuple[Path, list[Path]]:
         return root, [root]
     if not root.is_dir():
         raise ValueError(f"corpus path {str(root)!r} is neither a file nor a folder")
-    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file())
+    files = []
+    for folder, dirs, names in os.walk(root):
+        if path is None:
+            dirs[:] = [d for d in dirs if d not in INSTALLED]
+        at = Path(folder)
+        files += [at / n for n in names if Path(n).suffix in CORPUS_SUFFIXES]
+    files = sorted(f for f in files if f.is_file())
     if not files:
         raise ValueError(f"corpus folder {str(root)!r} holds no .py, .txt or .md file")
     return root, files
@@ -196,7 +209,7 @@ def _corpus_files(path: str | None) -> tuple[Path, list[Path]]:
 def corpus_size(path: str | None, max_bytes: int) -> int:
     """The number of tokens `load_corpus(path, max_bytes)` returns, from file sizes (no read)."""
     total = 0
-    for f in _corpus_files(path)[1]:
+    for f in corpus_files(path)[1]:
         if total >= max_bytes:
             break
         total += min(f.stat().st_size, max_bytes - total)
@@ -221,7 +234,7 @@ def read_corpus(path: str | None, max_bytes: int) -> bytearray:
     the corpus must be UTF-8 text, a file of a folder must hold no NUL byte (sources in legacy
     encodings are text too), and the whole must be >= MIN_CORPUS_BYTES; ValueError naming the
     path otherwise."""
-    root, files = _corpus_files(path)
+    root, files = corpus_files(path)
     buf = bytearray()
     for f in files:
         if len(buf) >= max_bytes:
