@@ -54,7 +54,7 @@ time and the compute bound), capacity mode, a skewed start that settles:
     schemoe bench replan --testbed --ranks-per-node 2 --tokens 1024 --model-dim 512 \
         --hidden-dim 512 --experts 8 --top-k 2 --layers 2 --capacity-factor 1.25 \
         --capacity-factors 1,1.25,1.5,2,2.5,3,4 --phases zipf:1.2:rotate,balanced \
-        --phase-steps 30,120 --rotate-every 10 --replan-every 5
+        --phase-steps 30,120 --rotate-every 10 --replan-every 2
     schemoe testbed down
 
 (docs/results/replan_2026-12-06/replan_testbed.sh runs these with a stored profile.)
