@@ -14,7 +14,6 @@ from schemoe.costmodel import prediction
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import LayerShape
 from schemoe.costmodel.profiles import fit_link
-from schemoe.dist.launch import spawn
 from schemoe.tuning import choose as tune
 from schemoe.tuning.auto import AutoTuner, Trials
 
@@ -190,8 +189,8 @@ def _layer_trials(rank, world):
     return True
 
 
-def test_an_auto_layer_times_its_shortlist_then_every_rank_keeps_the_same_fastest():
-    assert all(spawn(_layer_trials, 2, timeout=240))
+def test_an_auto_layer_times_its_shortlist_then_every_rank_keeps_the_same_fastest(ranks):
+    assert all(ranks(2).run(_layer_trials))
 
 
 def test_an_auto_layer_without_trials_runs_the_models_first_choice_at_once():

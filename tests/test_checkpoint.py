@@ -24,7 +24,6 @@ from schemoe.checkpoint import files as checkpoint_files
 from schemoe.checkpoint import store as checkpoint
 from schemoe.checkpoint.meta import meta_digest, read_meta
 from schemoe.checkpoint.shards import rank_state
-from schemoe.dist.launch import spawn
 from schemoe.train import loop as T
 from schemoe.train.model import GPT, GPTConfig, eval_windows, evaluate, load_corpus
 from schemoe.train.setup import optimizer
@@ -92,11 +91,11 @@ def _reshard_on_two(rank: int, world: int, d: str, d2: str, exported: str) -> di
     return {"eval": evaluated["eval_loss"], "more": more["losses"]}
 
 
-def test_checkpoint_written_on_four_ranks_loads_on_two_and_one_and_exports(tmp_path):
+def test_checkpoint_written_on_four_ranks_loads_on_two_and_one_and_exports(tmp_path, ranks):
     d, d2, d1 = (str(tmp_path / n) for n in ("p4", "p2", "p1"))
-    r4 = spawn(_write_on_four, 4, d, timeout=180)[0]
+    r4 = ranks(4).run(_write_on_four, d)[0]
     out = checkpoint.export(d, tmp_path / "model.pt")
-    r2 = spawn(_reshard_on_two, 2, d, d2, str(out), timeout=180)
+    r2 = ranks(2).run(_reshard_on_two, d, d2, str(out))
     # dropless routing makes every token's output independent of P: same held-out loss
     assert math.isclose(r2[0]["eval"], r4["eval_loss"], rel_tol=1e-5)
     r1 = T.train(0, 1, tiny("--steps", "6", "--stop-after", "3", "--resume", d))
@@ -190,13 +189,15 @@ def _rank_1_fills_the_disk(rank: int, world: int, d: str) -> str | None:
         checkpoint.save(d, core, opt, step=2)
     except OSError as e:
         return str(e)
+    finally:
+        FileSystem.create_stream = _real_stream  # the pool's rank runs other cases next
     return None
 
 
-def test_a_full_disk_on_another_rank_is_what_every_rank_reports(tmp_path):
+def test_a_full_disk_on_another_rank_is_what_every_rank_reports(tmp_path, ranks):
     # rank 1's write fails; rank 0 wrote its part, but DCP then writes no .metadata: the line
     # every rank raises names rank 1's ENOSPC and its file, not rank 0's missing .metadata
-    said = spawn(_rank_1_fills_the_disk, 2, str(tmp_path), timeout=120)
+    said = ranks(2).run(_rank_1_fills_the_disk, str(tmp_path))
     want = f"rank 1: no space left on device writing {tmp_path}/step-00000002.tmp/__1_0.distcp"
     assert all(s is not None and want in s for s in said), said
     assert (tmp_path / "latest").read_text() == "step-00000001"

@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from schemoe import ExpertConfig, MoEConfig, MoELayer, ParallelConfig
 from schemoe.config import GateConfig
-from schemoe.dist.launch import spawn
 from schemoe.dist.topology import Topology
 from schemoe.layer.dispatcher import TokenDispatcher
 from schemoe.routing import route
@@ -53,8 +52,8 @@ def _uniform(rank, world):
     return True
 
 
-def test_uniform_tokens_in_capacity_mode_exchange_no_counts_and_plan_the_same():
-    assert all(spawn(_uniform, 2, timeout=120))
+def test_uniform_tokens_in_capacity_mode_exchange_no_counts_and_plan_the_same(ranks):
+    assert all(ranks(2).run(_uniform))
 
 
 def _dropless(rank, world):
@@ -71,8 +70,8 @@ def _dropless(rank, world):
     return True
 
 
-def test_dropless_receivers_learn_the_counts_from_every_rank():
-    assert all(spawn(_dropless, 2, timeout=120))
+def test_dropless_receivers_learn_the_counts_from_every_rank(ranks):
+    assert all(ranks(2).run(_dropless))
 
 
 def test_combine_restores_token_order_from_the_metadata_alone():

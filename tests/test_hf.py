@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from moe_cases import close
-from schemoe.dist.launch import spawn
 from schemoe.integrations.hf import from_hf_block, replace_moe_blocks, to_schemoe_experts
 from schemoe.integrations.hf_tiny import BASE
 
@@ -134,8 +133,8 @@ def test_replaced_blocks_match_mixtral_and_qwen2_moe_outputs_and_gradients_on_on
     _everything(0, 1)
 
 
-def test_replaced_blocks_match_hf_expert_parallel_on_two_ranks():
-    assert spawn(_everything, 2, timeout=240) == [True, True]
+def test_replaced_blocks_match_hf_expert_parallel_on_two_ranks(ranks):
+    assert ranks(2).run(_everything) == [True, True]
 
 
 def test_unsupported_blocks_and_activations_are_refused_by_name():

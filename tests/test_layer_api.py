@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from moe_cases import check_against_reference
 from schemoe import (
@@ -18,7 +19,6 @@ from schemoe import (
     ddp_ignore_experts,
     expert_parameters,
 )
-from schemoe.dist.launch import spawn
 
 
 def cfg(E=4, k=2, f=1.0, M=8, H=16, **kw):
@@ -89,8 +89,8 @@ def _indivisible(rank, world):
     return True
 
 
-def test_experts_that_do_not_divide_over_the_ranks_are_rejected():
-    assert all(spawn(_indivisible, 2, timeout=60))
+def test_experts_that_do_not_divide_over_the_ranks_are_rejected(ranks):
+    assert all(ranks(2).run(_indivisible))
 
 
 def test_bf16_activations_and_autocast_run_with_an_fp32_router():
@@ -154,8 +154,6 @@ def test_an_empty_batch_returns_an_empty_output():
 
 
 def _ddp(rank, world):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("moe", MoELayer(cfg(E=4, k=2)))
@@ -169,8 +167,8 @@ def _ddp(rank, world):
     return expert_grads, gate_grad
 
 
-def test_ddp_all_reduces_the_router_but_not_the_experts():
-    out = spawn(_ddp, 2, timeout=90)
+def test_ddp_all_reduces_the_router_but_not_the_experts(ranks):
+    out = ranks(2).run(_ddp)
     (e0, g0), (e1, g1) = out
     assert torch.equal(g0, g1)  # dense grads averaged: equal on every rank
     assert not torch.equal(e0[0], e1[0])  # different experts, never averaged together
@@ -184,8 +182,8 @@ def _small(rank, world):
     return True
 
 
-def test_two_ranks_match_the_reference_with_a_small_config():
-    assert all(spawn(_small, 2, timeout=60))
+def test_two_ranks_match_the_reference_with_a_small_config(ranks):
+    assert all(ranks(2).run(_small))
 
 
 def _experts_of(seed: int | None = None, manual: int = 0) -> torch.Tensor:
@@ -302,8 +300,6 @@ def test_a_user_expert_with_the_wrong_output_shape_is_named_with_both_shapes():
 
 
 def _ddp_with_experts(rank, world):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("moe", MoELayer(cfg(E=4, k=2)))
@@ -314,8 +310,8 @@ def _ddp_with_experts(rank, world):
     return None
 
 
-def test_ddp_that_manages_the_sharded_experts_is_refused_at_the_first_forward():
-    for msg in spawn(_ddp_with_experts, 2, timeout=90):
+def test_ddp_that_manages_the_sharded_experts_is_refused_at_the_first_forward(ranks):
+    for msg in ranks(2).run(_ddp_with_experts):
         assert msg is not None and "DistributedDataParallel manages this MoE layer's" in msg
         assert "moe.experts." in msg and "ddp_ignore_experts" in msg
 

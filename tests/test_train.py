@@ -18,7 +18,6 @@ from schemoe import clip_grad_norm_
 from schemoe import config as c
 from schemoe.checkpoint import store as checkpoint
 from schemoe.checkpoint.meta import read_meta
-from schemoe.dist.launch import spawn
 from schemoe.layer.parallel import ddp_ignore_experts, dense_parameters, expert_parameters
 from schemoe.train import loop as T
 from schemoe.train.model import GPT, GPTConfig
@@ -102,8 +101,8 @@ def _two_rank_runs(rank: int, world: int, d: str) -> dict:
     }
 
 
-def test_resumed_run_reproduces_the_uninterrupted_losses_exactly_on_two_ranks(tmp_path):
-    out = spawn(_two_rank_runs, 2, str(tmp_path / "ckpt"), timeout=240)
+def test_resumed_run_reproduces_the_uninterrupted_losses_exactly_on_two_ranks(tmp_path, ranks):
+    out = ranks(2).run(_two_rank_runs, str(tmp_path / "ckpt"))
     r = out[0]
     straight = r["straight"]["losses"]
     assert len(straight) == 10 and straight[-1] < straight[0]
@@ -265,12 +264,12 @@ def _four_rank_runs(rank: int, world: int, d: str) -> tuple[list[float], list[fl
     return straight["losses"], resumed["losses"], differ
 
 
-def test_resumed_run_reproduces_the_uninterrupted_losses_exactly_on_four_ranks(tmp_path):
+def test_resumed_run_reproduces_the_uninterrupted_losses_exactly_on_four_ranks(tmp_path, ranks):
     # Four ranks sum every all-reduced value in an order two ranks cannot show (a + b == b + a),
     # so this is the case where a changed reduction layout after resume would appear: in the
     # weights (and optimizer state) at once, in the losses only some steps later (before
     # loop.settle_buckets, 1054 dense weights differed after step 8 here with equal losses).
-    runs = spawn(_four_rank_runs, 4, str(tmp_path / "ckpt"), timeout=300)
+    runs = ranks(4).run(_four_rank_runs, str(tmp_path / "ckpt"))
     straight, resumed, _ = runs[0]
     assert len(straight) == 8 and resumed == straight  # bitwise
     assert [r[2] for r in runs] == [0, 0, 0, 0]  # every weight and optimizer state, bitwise
