@@ -95,18 +95,32 @@ def _run_phase(bed: netns.Testbed, phase: str, tmp_path) -> tuple[list[dict], di
     return res, {k: after[k] - before[k] for k in before}
 
 
+@pytest.fixture(scope="module")
+def phase(bed, tmp_path_factory):
+    """phase(name) -> (what each rank saw, bytes per interface) of one run of that phase on this
+    bed, run once: the checks on the same phase share it (4 ranks start in seconds each)."""
+    runs: dict[str, tuple[list[dict], dict[str, int]]] = {}
+
+    def get(name: str) -> tuple[list[dict], dict[str, int]]:
+        if name not in runs:
+            runs[name] = _run_phase(bed, name, tmp_path_factory.mktemp(name))
+        return runs[name]
+
+    return get
+
+
 @needs_root
-def test_each_rank_runs_in_its_own_namespace_in_node_major_order(bed, tmp_path):
+def test_each_rank_runs_in_its_own_namespace_in_node_major_order(bed, phase):
     if bed.intra_link != "shared":
         pytest.skip("addresses do not depend on --intra-link: checked once, with shared")
-    res, _ = _run_phase(bed, "intra", tmp_path)
+    res, _ = phase("intra")
     assert [r["addr"] for r in res] == list(bed.addresses)
     assert bed.addresses[K] == "10.77.1.1"  # rank K is node 1's first rank
 
 
 @needs_root
-def test_intra_node_bytes_cross_the_rank_links_at_the_intra_rate_and_not_the_uplink(bed, tmp_path):
-    res, moved = _run_phase(bed, "intra", tmp_path)
+def test_intra_node_bytes_cross_the_rank_links_at_the_intra_rate_and_not_the_uplink(bed, phase):
+    res, moved = phase("intra")
     for r in range(bed.nodes * K):
         assert moved[f"rank{r}"] >= PER_PEER, "an intra-node pair did not cross the rank link"
     for n in range(bed.nodes):
@@ -118,9 +132,9 @@ def test_intra_node_bytes_cross_the_rank_links_at_the_intra_rate_and_not_the_upl
 
 @needs_root
 def test_inter_node_bytes_cross_the_uplink_and_the_rank_link_shapes_them_only_when_shared(
-    bed, tmp_path
+    bed, phase
 ):
-    res, moved = _run_phase(bed, "inter", tmp_path)
+    res, moved = phase("inter")
     remote = (bed.nodes - 1) * K
     for n in range(bed.nodes):
         assert moved[f"uplink{n}"] >= K * remote * PER_PEER
