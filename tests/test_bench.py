@@ -165,6 +165,8 @@ def _step_rows(capfd, *argv: str) -> list[dict]:
     assert args.func(args) == 0
     rows = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
     assert all(r["median_ms"] > 0 for r in rows)
+    # without --measured-bound, no measured columns (test_bench_bound runs it with the flag)
+    assert not any({"bound_ratio", "compute_measured_ms"} & set(r) for r in rows)
     return rows
 
 

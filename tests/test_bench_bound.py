@@ -172,13 +172,6 @@ def test_a_loopback_run_splits_one_rank_per_node(capfd):
     assert out["results"][0]["bound_ratio"] > 0
 
 
-def test_without_the_flag_rows_have_no_measured_columns(capfd):
-    args = _parse(["bench", "step", "--nproc", "2", *TINY])
-    assert args.func(args) == 0
-    (row,) = json.loads(capfd.readouterr().out.strip().splitlines()[-1])["results"]
-    assert "bound_ratio" not in row and "compute_measured_ms" not in row
-
-
 def test_measured_bound_refuses_ranks_of_an_outside_launcher(capfd, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
