@@ -7,7 +7,8 @@ uninterrupted run gives. In-process: `spawn` names the rank that raised or died,
 wait is bounded (subprocess timeouts, spawn's run timeout), so a regression fails, not hangs.
 
 The runs save every step; the test signals once step 3's checkpoint exists. Losses are read from
---log-file (JSONL), never from stdout. Linux only (reads /proc)."""
+--log-file (JSONL), never from stdout. The uninterrupted run and the resumes run the same 2-rank
+training on the session's rank pool. Linux only (reads /proc)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import schemoe
 from procs import gone_within, ranks_of, reap
 from schemoe.dist import lifeline
 from schemoe.dist.launch import RankFailure, spawn
+from schemoe.train import loop as T
 from train_cases import TINY
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -42,18 +44,21 @@ def _losses(log: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def _train(*extra: str, seconds: float = 240) -> subprocess.CompletedProcess:
-    run = subprocess.run([*TRAIN, *extra], env=ENV, capture_output=True, text=True,
-                         timeout=seconds, check=False)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    return run
+def _train_on(rank: int, world: int, extra: list[str]) -> None:
+    T.train(rank, world, T.parse_args([*TINY, "--steps", str(STEPS), *extra]))
+
+
+def _pool_train(ranks, *extra: str) -> None:
+    """The same 2-rank run as TRAIN with `extra`, on the session's ranks: the runs compared with
+    an interrupted one need no launcher of their own (the interrupted run has one)."""
+    ranks(2).run(_train_on, list(extra))
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(tmp_path_factory, ranks) -> dict[int, float]:
     """Losses of the uninterrupted run, steps 1..REFERENCE."""
     log = tmp_path_factory.mktemp("reference") / "log.jsonl"
-    _train("--stop-after", str(REFERENCE), "--log-file", str(log))
+    _pool_train(ranks, "--stop-after", str(REFERENCE), "--log-file", str(log))
     return _losses(log)
 
 
@@ -97,11 +102,12 @@ def _one_line(err: str) -> str:
     return said[0]
 
 
-def _resume_matches(tmp: Path, saved: int, reference: dict[int, float]) -> None:
+def _resume_matches(tmp: Path, saved: int, reference: dict[int, float], ranks) -> None:
     """--resume from the last checkpoint: the next two steps' losses equal the reference's."""
     assert saved + 2 <= REFERENCE, f"stopped too late to compare (step {saved})"
     log = tmp / "resumed.jsonl"
-    _train("--resume", str(tmp / "ckpt"), "--stop-after", str(saved + 2), "--log-file", str(log))
+    extra = ("--resume", str(tmp / "ckpt"), "--stop-after", str(saved + 2), "--log-file", str(log))
+    _pool_train(ranks, *extra)
     resumed = _losses(log)
     assert sorted(resumed) == [saved + 1, saved + 2]
     assert resumed == {s: reference[s] for s in resumed}  # bitwise, 2 ranks
@@ -117,13 +123,13 @@ def _stopped_line(sig: str, line: str, tmp: Path, saved: int) -> None:
 
 
 def test_sigint_to_the_launcher_stops_both_ranks_in_one_line_and_the_resume_matches(
-    tmp_path, reference
+    tmp_path, reference, ranks
 ):
     code, err, took, saved = _interrupt(tmp_path, "sigint")
     assert code == 130, err
     _stopped_line("SIGINT", _one_line(err), tmp_path, saved)
     assert took < 10
-    _resume_matches(tmp_path, saved, reference)
+    _resume_matches(tmp_path, saved, reference, ranks)
 
 
 def test_processes_started_inside_sigint_ignored_ignore_sigint_so_ctrl_c_reaches_the_launcher():
@@ -137,7 +143,7 @@ def test_processes_started_inside_sigint_ignored_ignore_sigint_so_ctrl_c_reaches
 
 
 def test_a_rank_killed_by_sigkill_is_named_with_its_signal_and_the_resume_matches(
-    tmp_path, reference
+    tmp_path, reference, ranks
 ):
     code, err, took, saved = _interrupt(tmp_path, "kill-rank")
     assert code == 2, err
@@ -146,7 +152,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal_and_the_resume_matche
         "(the kernel's OOM killer sends it when memory runs out; `dmesg` says if it did)"
     )
     assert took < 10
-    _resume_matches(tmp_path, saved, reference)
+    _resume_matches(tmp_path, saved, reference, ranks)
 
 
 def test_a_stalled_rank_ends_the_run_at_the_collective_timeout_naming_both_ranks(tmp_path):
