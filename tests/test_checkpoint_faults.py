@@ -81,7 +81,11 @@ def _error_line(run: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_a_diverged_run_keeps_a_latest_that_resumes_and_trains_on_at_a_lower_lr(tmp_path):
+def _train_on(rank: int, world: int, extra: list[str]) -> dict:
+    return T.train(rank, world, tiny(*extra))
+
+
+def test_a_diverged_run_keeps_a_latest_that_resumes_and_trains_on_at_a_lower_lr(tmp_path, ranks):
     d = tmp_path / "ckpt"
     # --lr 1e6: step 2's loss is finite (~1e12) but its gradient norm NaN (the backward overflows
     # through weights of ~1e5), so step 1's checkpoint can never take a finite step again
@@ -92,9 +96,8 @@ def test_a_diverged_run_keeps_a_latest_that_resumes_and_trains_on_at_a_lower_lr(
     assert f"last good checkpoint: {d}/step-00000000, which {d}/latest names" in line, line
     names = sorted(p.name for p in d.iterdir())
     assert names == ["diverged-step-00000001", "latest", "step-00000000"]
-    more = _run("--resume", str(d), "--lr", "3e-3", "--stop-after", "4")
-    assert more.returncode == 0, more.stderr
-    summary = json.loads(more.stdout.splitlines()[-1])
+    # the resume: the same 2-rank training, on the session's ranks (no second launcher)
+    summary = ranks(2).run(_train_on, ["--resume", str(d), "--lr", "3e-3", "--stop-after", "4"])[0]
     assert len(summary["losses"]) == 4 and all(v < 6 for v in summary["losses"])  # trains on
 
 
