@@ -4,10 +4,12 @@
     results = pool.run(fn, *args)             # fn(rank, world, *args) on every rank, by rank
     pool.close()
 
-Each `run` is one test case, so a failing case fails alone while the ranks' spawn and group
-set-up (seconds each) is paid once per world size. A case that raises on any rank, or a rank that
-dies or outlives `run_timeout`, closes the pool (the ranks may be stuck in a collective or out of
-step); the `ranks` fixture then builds a fresh one for the next case.
+Each `run` is one test case, so a failing case fails alone while the ranks' start and group
+set-up is paid once per world size. A case that raises on any rank, or a rank that dies or
+outlives `run_timeout`, closes the pool (the ranks may be stuck in a collective or out of step);
+the `ranks` fixture then builds a fresh one for the next case. The ranks fork from a forkserver
+that imported torch and schemoe once (`context`), not from fresh interpreters that import both
+again (~2 s of CPU each).
 """
 
 from __future__ import annotations
@@ -15,25 +17,45 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from procs import alive
 from schemoe.dist.launch import free_port, init_process_group, set_launcher_env
-from schemoe.dist.lifeline import die_with_parent
 
-__all__ = ["RankPool"]
+__all__ = ["RankPool", "context"]
+
+
+def context():
+    """The multiprocessing context of the test ranks: a forkserver preloading torch, schemoe's
+    training loop and this module (and with it `procs`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["rank_pool", "schemoe.train.loop"])
+    return ctx
+
+
+def _exit_with(pid: int) -> None:
+    """End this rank once process `pid` (pytest) is gone, even killed by SIGKILL. Not the kernel's
+    parent-death signal: the rank's parent is the forkserver, which lives while any rank does."""
+
+    def watch() -> None:
+        while alive(pid):
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rank-pool-watch", daemon=True).start()
 
 
 def _serve(rank, world, port, inbox, results, timeout_s, parent):
-    die_with_parent(parent)  # a killed pytest takes its ranks along
+    _exit_with(parent)  # a killed pytest takes its ranks along
     set_launcher_env(rank, world, port)
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     init_process_group("gloo", timeout_s)
     try:
@@ -51,7 +73,7 @@ class RankPool:
     """`world` ranks, each running the functions `run` sends it (see the module docstring)."""
 
     def __init__(self, world: int, timeout: float = 120.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.world, self.timeout = world, timeout
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]

@@ -15,8 +15,8 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from rank_pool import context
 from schemoe import collectives
 from schemoe.checkpoint import store as checkpoint
 from schemoe.collectives import ALGORITHMS
@@ -68,18 +68,10 @@ def _rank(rank: int, port: int, mode: str, fault_at, results) -> None:
         results.put((rank, type(e).__name__, str(e), time.monotonic()))
 
 
-def _context():
-    """The forkserver context, its server preloading this module (torch and schemoe with it):
-    each case's ranks fork from it instead of importing both again (~2 s of CPU per rank)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
-
-
 def _launch(target, world: int, extra: tuple, done, seconds: float, what: str) -> dict:
     """Start `world` ranks of target(rank, port, *extra, results); collect what they put
     (rank -> the rest of the tuple) until done(out), within `seconds`; kill them all."""
-    ctx = _context()
+    ctx = context()
     results, port = ctx.Queue(), free_port()
     procs = [
         ctx.Process(target=target, args=(r, port, *extra, results), daemon=True)
@@ -103,7 +95,7 @@ def _launch(target, world: int, extra: tuple, done, seconds: float, what: str) -
 
 
 def _run(mode: str) -> dict:
-    fault_at = _context().Value("d", 0.0)
+    fault_at = context().Value("d", 0.0)
     out = _launch(_rank, 2, (mode, fault_at), lambda o: 0 in o, 60 + TIMEOUT, mode)
     kind, msg, t = out[0]
     return {"kind": kind, "msg": msg, "after": t - fault_at.value}
