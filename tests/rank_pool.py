@@ -66,7 +66,8 @@ def _serve(rank, world, port, inbox, results, timeout_s, parent):
             except BaseException:  # noqa: BLE001 (the parent reports it and closes the pool)
                 results.put((rank, False, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (a case may have shut the group down itself)
+            dist.destroy_process_group()
 
 
 class RankPool:

@@ -1,16 +1,17 @@
 """A rank's end: `schemoe.dist.launch.shutdown` drops the groups and algorithm instances this process
 cached (`topology.release`) and destroys every process group while the interpreter is alive, and
 running it again is a no-op (spawn's worker runs it after `fn` returns). A group left to the
-interpreter's exit aborted finished testbed ranks with SIGABRT (docs/results/exit_abort_testbed.txt)."""
+interpreter's exit aborted finished testbed ranks with SIGABRT (docs/results/exit_abort_testbed.txt).
+The 4 ranks are a RankPool of the test's own, closed after it."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from rank_pool import RankPool
 from schemoe.collectives import build
 from schemoe.dist import launch as _dist
 from schemoe.dist import topology
-from schemoe.dist.launch import spawn
 from schemoe.dist.topology import Topology
 
 
@@ -26,7 +27,12 @@ def _cache_then_shutdown(rank: int, world: int) -> tuple[int, int, bool]:
 
 
 def test_shutdown_releases_the_cached_groups_and_destroys_the_process_groups():
-    for cached, after, initialised in spawn(_cache_then_shutdown, 4):
+    pool = RankPool(4)  # its own: the case ends the ranks' groups (the shared pools are kept)
+    try:
+        out = pool.run(_cache_then_shutdown)
+    finally:
+        pool.close()
+    for cached, after, initialised in out:
         assert cached >= 3  # two algorithms, hier2d's sub-groups and their family
         assert after == 0
         assert not initialised
