@@ -12,16 +12,17 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
 
-from rank_pool import context
+from rank_pool import RankPool, context
 from schemoe import collectives
 from schemoe.checkpoint import store as checkpoint
 from schemoe.collectives import ALGORITHMS
-from schemoe.dist import failures
-from schemoe.dist.launch import free_port, init_process_group, set_launcher_env, spawn
+from schemoe.dist import failures, topology
+from schemoe.dist.launch import free_port, init_process_group, set_launcher_env
 from schemoe.dist.topology import Topology
 from schemoe.layer.moe import MoELayer
 from schemoe.step.gradsync import GRAD_SYNCS
@@ -214,10 +215,6 @@ class _NoBackendGroup:
 
 
 def _subgroup_timeouts(rank: int, world: int) -> tuple:
-    import warnings
-
-    from schemoe.dist import topology
-
     fallback = topology.Topology(world=1, rank=0, ranks_per_node=1, group=_NoBackendGroup())
     from_default = fallback.timeout()
     real = topology._group_timeout
@@ -232,7 +229,11 @@ def _subgroup_timeouts(rank: int, world: int) -> tuple:
 
 
 def test_a_subgroup_whose_timeout_cannot_be_read_takes_the_default_groups_or_says_so():
-    from_default, neither, warned = spawn(_subgroup_timeouts, 1, timeout=7.0)[0]
+    pool = RankPool(1, timeout=7.0)  # its own: the group's timeout is what is read
+    try:
+        from_default, neither, warned = pool.run(_subgroup_timeouts)[0]
+    finally:
+        pool.close()
     assert from_default == datetime.timedelta(seconds=7)  # before: None, i.e. 30 minutes
     assert neither is None and any("30 minutes" in w for w in warned), warned
 
