@@ -25,7 +25,7 @@ from schemoe.train import command
 from schemoe.train import loop as T
 from schemoe.train import step as S
 from schemoe.train.setup import setup
-from train_cases import TINY, tiny
+from train_cases import TINY, tiny, train_on
 
 
 def _state(run) -> list[torch.Tensor]:
@@ -81,10 +81,6 @@ def _error_line(run: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def _train_on(rank: int, world: int, extra: list[str]) -> dict:
-    return T.train(rank, world, tiny(*extra))
-
-
 def test_a_diverged_run_keeps_a_latest_that_resumes_and_trains_on_at_a_lower_lr(tmp_path, ranks):
     d = tmp_path / "ckpt"
     # --lr 1e6: step 2's loss is finite (~1e12) but its gradient norm NaN (the backward overflows
@@ -97,7 +93,7 @@ def test_a_diverged_run_keeps_a_latest_that_resumes_and_trains_on_at_a_lower_lr(
     names = sorted(p.name for p in d.iterdir())
     assert names == ["diverged-step-00000001", "latest", "step-00000000"]
     # the resume: the same 2-rank training, on the session's ranks (no second launcher)
-    summary = ranks(2).run(_train_on, ["--resume", str(d), "--lr", "3e-3", "--stop-after", "4"])[0]
+    summary = ranks(2).run(train_on, ["--resume", str(d), "--lr", "3e-3", "--stop-after", "4"])[0]
     assert len(summary["losses"]) == 4 and all(v < 6 for v in summary["losses"])  # trains on
 
 

@@ -28,8 +28,7 @@ import schemoe
 from procs import gone_within, ranks_of, reap
 from schemoe.dist import lifeline
 from schemoe.dist.launch import RankFailure, spawn
-from schemoe.train import loop as T
-from train_cases import TINY
+from train_cases import TINY, train_on
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -44,14 +43,10 @@ def _losses(log: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def _train_on(rank: int, world: int, extra: list[str]) -> None:
-    T.train(rank, world, T.parse_args([*TINY, "--steps", str(STEPS), *extra]))
-
-
 def _pool_train(ranks, *extra: str) -> None:
     """The same 2-rank run as TRAIN with `extra`, on the session's ranks: the runs compared with
     an interrupted one need no launcher of their own (the interrupted run has one)."""
-    ranks(2).run(_train_on, list(extra))
+    ranks(2).run(train_on, ["--steps", str(STEPS), *extra])
 
 
 @pytest.fixture(scope="module")

@@ -37,3 +37,8 @@ TINY = [
 def tiny(*extra: str) -> TrainConfig:
     """The TrainConfig of the tiny run's command line with `extra` appended."""
     return TrainConfig.from_args(T.parse_args([*TINY, *extra]))
+
+
+def train_on(rank: int, world: int, extra: list[str]) -> dict:
+    """One rank of the tiny run with `extra` (for `RankPool.run(train_on, extra)`): its summary."""
+    return T.train(rank, world, tiny(*extra))
