@@ -25,6 +25,8 @@ from functools import partial
 from ..cliargs import Check, Parser, guard
 from ..config import GateConfig
 from ..costmodel.profiles import cache_key
+from ..dist.host import configure_rank
+from ..dist.launch import spawn
 from ..dist.links import Links
 from ..dist.topology import launcher_local_rank
 from ..train.checks import (
@@ -107,13 +109,17 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--nproc", type=int, default=2, help="local ranks on loopback (no --testbed)")
     g.add_argument("--timeout", type=float, default=600.0, help="give up after S seconds")
+    g.add_argument("--release-freed-memory", action="store_true",
+                   help="glibc malloc's defaults in the ranks: freed memory goes back to the "
+                   "kernel (default: kept, schemoe.dist.host)")  # fmt: skip
 
 
 def _rank(rank: int, world: int, name: str, opts: dict, launched: bool = False) -> object:
     """One rank of benchmark `name` (also the entry point of testbed and spawned children)."""
     import torch
 
-    torch.set_num_threads(1)  # the box's cores are shared by all ranks
+    # The box's cores are shared by all ranks; freed memory kept unless --release-freed-memory.
+    configure_rank(1, keep_memory=not opts.get("release_freed_memory"))
     if opts.get("device") == "cuda":  # before the first collective: this rank's GPU
         torch.cuda.set_device(launcher_local_rank(rank))
     args = argparse.Namespace(**opts)
@@ -227,12 +233,17 @@ def _main(name: str, args: argparse.Namespace) -> int:
         opts = _measured_compute(name, opts, bed.nodes * args.ranks_per_node, args.ranks_per_node)
         child = ["-m", "schemoe.bench.cli", name, json.dumps(opts)]
         return launch.run(child, args.ranks_per_node, timeout=args.timeout)
-    from ..dist.launch import spawn
-
     _check_world(name, args, BenchEnv(args.ranks_per_node or args.nproc, None), args.nproc)
     opts = _measured_compute(name, opts, args.nproc, args.ranks_per_node or args.nproc)
-    spawn(_rank, args.nproc, name, opts, timeout=args.timeout, backend=_backend(opts))
+    _spawn(args.nproc, name, opts)
     return 0
+
+
+def _spawn(world: int, name: str, opts: dict) -> list:
+    """`world` local ranks of benchmark `name` on loopback; their results by rank."""
+    keep = not opts.get("release_freed_memory")
+    return spawn(_rank, world, name, opts, timeout=opts["timeout"], backend=_backend(opts),
+                 keep_freed_memory=keep)  # fmt: skip
 
 
 def _measured_compute(name: str, opts: dict, world: int, ranks_per_node: int) -> dict:
@@ -240,10 +251,8 @@ def _measured_compute(name: str, opts: dict, world: int, ranks_per_node: int) ->
     loopback (bench/bound.py); the measured pass gets its row medians in its options."""
     if not opts.get("measured_bound"):
         return opts
-    from ..dist.launch import spawn
-
     local = bound.pass_options(opts, world, ranks_per_node)
-    medians = spawn(_rank, world, name, local, timeout=opts["timeout"], backend=_backend(opts))
+    medians = _spawn(world, name, local)
     return bound.with_compute(opts, medians[0])
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
+from ..dist.host import freed_memory_kept
 
 __all__ = ["header", "report", "table", "traced"]
 
@@ -36,12 +37,13 @@ def _cpu_model() -> str:
 def header(title: str, config: Mapping[str, Any], topology: str, link: str) -> list[str]:
     """The lines above every table: what ran, where, on what."""
     threads = torch.get_num_threads()
+    mem = "freed memory kept" if freed_memory_kept() else "malloc defaults (freed memory returned)"
     return [
         f"# {title}",
         "# config: " + " ".join(f"{k}={v}" for k, v in config.items()),
         f"# topology: {topology}",
         f"# link: {link}",
-        f"# hardware: {_cpu_model()}, {os.cpu_count()} cores, {threads} thread(s) per rank",
+        f"# hardware: {_cpu_model()}, {os.cpu_count()} cores, {threads} thread(s) per rank, {mem}",
         (
             f"# versions: torch {torch.__version__}, python {sys.version.split()[0]}, "
             f"{platform.system()} {platform.release()}"

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import topology
+from .host import configure_rank
 from .failures import is_peer_failure
 from .lifeline import (
     Interrupted,
@@ -133,11 +134,11 @@ def set_launcher_env(rank: int, world: int, port: int) -> None:
     )
 
 
-def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent, backend="gloo"):
+def _worker(rank, world, port, fn, args, results, host, timeout_s, parent, backend="gloo"):
     die_with_parent(parent)  # even a launcher killed by SIGKILL takes its ranks along
     stop_on_sigterm()  # the launcher's stop request; SIGINT stays ignored (sigint_ignored)
     try:
-        _run_rank(rank, world, port, fn, args, results, threads, timeout_s, backend)
+        _run_rank(rank, world, port, fn, args, results, host, timeout_s, backend)
     except Stopped:
         pass  # arrived while reporting another error: the launcher is stopping the run anyway
     finally:
@@ -148,13 +149,13 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s, parent, ba
             shutdown()
 
 
-def _run_rank(rank, world, port, fn, args, results, threads, timeout_s, backend) -> None:
+def _run_rank(rank, world, port, fn, args, results, host, timeout_s, backend) -> None:
     """Run `fn` and put exactly one report: (rank, "ok", pickled result), (rank, "stopped",
     step), or (rank, "error" | "peer", (summary line, traceback, expected error type?))."""
     set_launcher_env(rank, world, port)
     import torch
 
-    torch.set_num_threads(threads)
+    configure_rank(*host)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per local rank, before the first collective
@@ -180,10 +181,13 @@ def spawn(
     threads: int = 1,
     run_timeout: float | None = None,
     backend: str = "gloo",
+    keep_freed_memory: bool = True,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return results by rank.
 
     `backend`: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs).
+    `threads`: each rank's CPU threads; `keep_freed_memory`: each rank keeps the memory it frees
+    (schemoe.dist.host: no page faults for the large tensors a step reallocates).
     `timeout` bounds every collective; `run_timeout` the whole run (default: timeout + 30 s).
     `fn` must be importable (module level) and its return value picklable. The ranks die with
     the caller: SIGINT/SIGTERM/SIGHUP to it stop them and raise `lifeline.Interrupted`
@@ -198,7 +202,8 @@ def spawn(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, results, threads, timeout, os.getpid(), backend),
+            args=(r, world_size, port, fn, args, results, (threads, keep_freed_memory), timeout,
+                  os.getpid(), backend),
             daemon=True,
         )
         for r in range(world_size)

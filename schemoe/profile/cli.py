@@ -36,6 +36,7 @@ from ..costmodel import profiles
 from ..costmodel.hardware import preset
 from ..costmodel.model import LayerShape
 from ..costmodel.prediction import predict
+from ..dist.host import configure_rank
 from ..dist.launch import joined, spawn
 from ..dist.links import Links
 from ..dist.topology import Topology, launcher_local_rank
@@ -66,7 +67,7 @@ CHECKS = {
 
 def _rank(rank: int, world: int, opts: dict) -> dict | None:
 
-    torch.set_num_threads(1)  # the ranks share the host's cores, as in `schemoe bench`
+    configure_rank(1)  # the ranks share the host's cores, as in `schemoe bench`
     if opts["device"] == "cuda":  # profile the GPU and NCCL this rank trains on
         torch.cuda.set_device(launcher_local_rank(rank))
     topo = Topology.from_group(None, opts["ranks_per_node"])

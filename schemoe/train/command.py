@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint import store as checkpoint
 from ..cliargs import guard
+from ..dist.host import configure_rank
 from ..dist.launch import joined, spawn
 from ..dist.lifeline import Interrupted
 from ..dist.topology import launcher_local_rank
@@ -44,7 +45,7 @@ def _main(a: argparse.Namespace) -> int:
             print(f"schemoe train: {line}", flush=True)
         return 0
     if torchrun:
-        torch.set_num_threads(cfg.threads)
+        configure_rank(cfg.threads)
         if cfg.device == "cuda":
             torch.cuda.set_device(launcher_local_rank())
         with joined("nccl" if cfg.device == "cuda" else "gloo", cfg.timeout):
