@@ -6,15 +6,18 @@ k=6, M=512, fp32). glibc's malloc hands such blocks to the kernel when they are 
 over its mmap threshold are unmapped; free memory at the top of the heap past its trim
 threshold is returned) and takes them back on the next call, one page fault per 4 KiB page
 touched again. The faults grow with the rows per step, so a fine-grained layer (E64 k6) pays
-about three times what E8 k2 of the same FLOPs pays; docs/results.md ("The layer current MoE
-models train with") has the layer rows with and without. `python -m schemoe.dist.host` counts
-the faults of a 64 MiB allocate-fill-free loop either way on any box.
+about three times what E8 k2 of the same FLOPs pays: one process, dropless, T 2048, M 512
+(docs/results/layer2026_2026-12-07/layer_page_faults.txt), E64 k6 / E8 k2 per step 1.42x with
+glibc's defaults, 1.17x with freed memory kept; 1.07 M minor faults -> 0.40 M; peak RSS 1528 ->
+1587 MiB. `python -m schemoe.dist.host` counts the faults of a 32 MiB allocate-fill-free loop
+either way on any box.
 
 `keep_freed_memory()` sets two of glibc's malloc parameters for this process (mallopt, through
 ctypes): no mmap for large blocks (M_MMAP_MAX = 0; they come from the heap, whose freed space
 is reused) and a trim threshold of 2 GiB (M_TRIM_THRESHOLD: free memory at the heap's top stays
-up to that). The cost: the process keeps its peak heap instead of returning it between steps;
-a training loop's peak is its steady state anyway. It is what torch's CPU tuning guide gets by
+up to that). The cost: the process keeps its peak heap instead of returning it between steps
+(a training loop's peak is its steady state anyway), and a heap without mmap fragments: a
+request can grow it before a freed block fits (the layer run above: +3.9% peak RSS). It is what torch's CPU tuning guide gets by
 preloading jemalloc or tcmalloc, without a preload. Not glibc (macOS, musl): nothing is set.
 
 Who calls it: every rank the package starts (`schemoe.dist.launch.spawn`, `schemoe train`
@@ -71,15 +74,17 @@ def configure_rank(threads: int, keep_memory: bool = True) -> None:
         keep_freed_memory()
 
 
-def _faults_of_a_step_loop(keep: bool, steps: int = 20, mb: int = 64) -> int:
-    """Minor page faults of `steps` allocate-fill-free cycles of an `mb` MiB tensor, after one
-    warm-up cycle (the first touch of the memory faults either way)."""
+def _faults_of_a_step_loop(keep: bool, steps: int = 10, mb: int = 32, warmup: int = 10) -> int:
+    """Minor page faults of `steps` allocate-fill-free cycles of an `mb` MiB tensor, after
+    `warmup` cycles (kept memory: until the heap has grown a free block that fits the request,
+    which took up to 8 cycles in a spawned rank)."""
     import resource
 
     if keep:
         keep_freed_memory()
     n = mb * 2**20 // 4
-    torch.empty(n).fill_(1.0)
+    for _ in range(warmup):
+        torch.empty(n).fill_(1.0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         torch.empty(n).fill_(1.0)
@@ -96,4 +101,4 @@ if __name__ == "__main__":
     for keep in (0, 1):
         out = subprocess.run([sys.executable, "-c", code, str(keep)], capture_output=True,
                              text=True, check=True).stdout.strip()  # fmt: skip
-        print(f"keep_freed_memory={bool(keep)}: {out} minor page faults in 20 x 64 MiB cycles")
+        print(f"keep_freed_memory={bool(keep)}: {out} minor page faults in 10 cycles of 32 MiB")
