@@ -7,9 +7,9 @@ over its mmap threshold are unmapped; free memory at the top of the heap past it
 threshold is returned) and takes them back on the next call, one page fault per 4 KiB page
 touched again. The faults grow with the rows per step, so a fine-grained layer (E64 k6) pays
 about three times what E8 k2 of the same FLOPs pays: one process, dropless, T 2048, M 512
-(docs/results/layer2026_2026-12-07/layer_page_faults.txt), E64 k6 / E8 k2 per step 1.42x with
-glibc's defaults, 1.17x with freed memory kept; 1.07 M minor faults -> 0.40 M; peak RSS 1528 ->
-1587 MiB. `python -m schemoe.dist.host` counts the faults of a 32 MiB allocate-fill-free loop
+(docs/results/layer2026_2026-12-07/layer_page_faults.txt), E64 k6 / E8 k2 per step 1.63x with
+glibc's defaults, 1.13x with freed memory kept; 0.95 M minor faults -> 0.39 M; peak RSS 1523 ->
+1582 MiB. `python -m schemoe.dist.host` counts the faults of a 32 MiB allocate-fill-free loop
 either way on any box.
 
 `keep_freed_memory()` sets two of glibc's malloc parameters for this process (mallopt, through
