@@ -17,8 +17,8 @@ ctypes): no mmap for large blocks (M_MMAP_MAX = 0; they come from the heap, whos
 is reused) and a trim threshold of 2 GiB (M_TRIM_THRESHOLD: free memory at the heap's top stays
 up to that). The cost: the process keeps its peak heap instead of returning it between steps
 (a training loop's peak is its steady state anyway), and a heap without mmap fragments: a
-request can grow it before a freed block fits (the layer run above: +3.9% peak RSS). It is what torch's CPU tuning guide gets by
-preloading jemalloc or tcmalloc, without a preload. Not glibc (macOS, musl): nothing is set.
+request can grow it before a freed block fits (the layer run above: +3.9% peak RSS). It is
+what torch's CPU tuning guide gets by preloading jemalloc or tcmalloc, without a preload. Not glibc (macOS, musl): nothing is set.
 
 Who calls it: every rank the package starts (`schemoe.dist.launch.spawn`, `schemoe train`
 under torchrun, the `schemoe bench` and `schemoe profile` ranks) through `configure_rank`.
