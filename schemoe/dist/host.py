@@ -18,7 +18,8 @@ is reused) and a trim threshold of 2 GiB (M_TRIM_THRESHOLD: free memory at the h
 up to that). The cost: the process keeps its peak heap instead of returning it between steps
 (a training loop's peak is its steady state anyway), and a heap without mmap fragments: a
 request can grow it before a freed block fits (the layer run above: +3.9% peak RSS). It is
-what torch's CPU tuning guide gets by preloading jemalloc or tcmalloc, without a preload. Not glibc (macOS, musl): nothing is set.
+what torch's CPU tuning guide gets by preloading jemalloc or tcmalloc, without a preload. Not
+glibc (macOS, musl): nothing is set.
 
 Who calls it: every rank the package starts (`schemoe.dist.launch.spawn`, `schemoe train`
 under torchrun, the `schemoe bench` and `schemoe profile` ranks) through `configure_rank`.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
+import resource
 
 import torch
 
@@ -78,8 +80,6 @@ def _faults_of_a_step_loop(keep: bool, steps: int = 10, mb: int = 32, warmup: in
     """Minor page faults of `steps` allocate-fill-free cycles of an `mb` MiB tensor, after
     `warmup` cycles (kept memory: until the heap has grown a free block that fits the request,
     which took up to 8 cycles in a spawned rank)."""
-    import resource
-
     if keep:
         keep_freed_memory()
     n = mb * 2**20 // 4

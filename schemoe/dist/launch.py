@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import topology
-from .host import configure_rank
 from .failures import is_peer_failure
+from .host import configure_rank
 from .lifeline import (
     Interrupted,
     Stopped,
