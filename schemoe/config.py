@@ -249,16 +249,26 @@ class ParallelConfig:
     can treat 4 local ranks as 2 nodes x 2. uniform_tokens declares that every rank of the group
     routes the same number of tokens at every call (the usual training case): in capacity mode
     the all-to-all splits then follow from the config, with no counts exchange and no host sync
-    (see schemoe.layer.dispatcher); a wrong declaration makes the all-to-alls' splits disagree."""
+    (see schemoe.layer.dispatcher); a wrong declaration makes the all-to-alls' splits disagree.
+
+    dedup (dropless routing with the weights on the experts' outputs only): send a token once to
+    each rank that holds any of its chosen experts, not once per expert; the receiving rank
+    copies it to those experts and, in backward, sums the copies' gradients before sending them
+    back (schemoe.routing.dedup). The dispatch transfer then carries T x (ranks reached) rows
+    instead of T k: at E=64 k=6 on 2 ranks a third. Same results up to the order of the sums
+    of a token's input gradient."""
 
     ranks_per_node: int | None = None
     uniform_tokens: bool = False
+    dedup: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks_per_node is not None:
             _int("ranks_per_node", self.ranks_per_node, 1)
         if not isinstance(self.uniform_tokens, bool):
             raise TypeError(f"uniform_tokens must be a bool, got {self.uniform_tokens!r}")
+        if not isinstance(self.dedup, bool):
+            raise TypeError(f"dedup must be a bool, got {self.dedup!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,4 +386,14 @@ class MoEConfig:
             raise TypeError(
                 f"MoEConfig.shared must be a SharedExpertConfig or None, "
                 f"got {type(self.shared).__name__}"
+            )
+        if self.parallel.dedup and not self.gate.dropless:
+            raise ValueError(
+                f"parallel.dedup needs dropless routing (gate.capacity_factor=0), got "
+                f"capacity_factor={self.gate.capacity_factor}"
+            )
+        if self.parallel.dedup and self.gate.weights_on != "output":
+            raise ValueError(
+                f"parallel.dedup needs the weights on the experts' outputs (a token's copies "
+                f"must be equal), got gate.weights_on={self.gate.weights_on!r}"
             )

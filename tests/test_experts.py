@@ -200,18 +200,23 @@ def _bench_args(*extra: str) -> argparse.Namespace:
 
 
 def test_bench_layer_times_grouped_loop_dropless_padded_and_dense_rows_in_one_run(capfd):
-    args = _bench_args("--nproc", "1", "--experts-impl", "grouped,loop", "--dense-bound")
+    args = _bench_args(
+        "--nproc", "1", "--experts-impl", "grouped,loop", "--dense-bound", "--dedup"
+    )  # fmt: skip
     assert args.func(args) == 0
     out = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     rows = {(r["policy"], r["algorithm"], r["compressor"]) for r in out["experts"]["rows"]}
     for shape in ("E8 k2 H24", "E64 k6 H8"):  # k x H = 48 for both
         for impl in ("grouped", "loop"):
-            assert {(shape, impl, m) for m in ("dropless", "f=1.25", "experts only")} <= rows
+            modes = ("dropless", "dropless dedup", "f=1.25", "experts only")
+            assert {(shape, impl, m) for m in modes} <= rows
         assert any(r[:2] == (shape, "dense bound") for r in rows)
     assert set(out["experts"]["ratios"]) >= {
         "E8 k2 H24: dropless grouped / loop f=1.25",
         "E64 k6 H8: grouped experts / dense bound",
         "dropless grouped: E64 k6 H8 / E8 k2 H24",
+        "dropless dedup grouped: E64 k6 H8 / E8 k2 H24",
+        "E64 k6 H8: dedup grouped / dropless grouped",
     }
     assert [r["policy"] for r in out["results"]] == ["sequential"]  # the usual rows stay
 
@@ -221,6 +226,7 @@ def test_bench_layer_times_grouped_loop_dropless_padded_and_dense_rows_in_one_ru
     [
         (["--experts-impl", "bmm"], "--experts-impl: unknown bmm"),
         (["--dense-bound"], "--dense-bound .* add --experts-impl"),
+        (["--dedup"], "--dedup .* add --experts-impl"),
         (["--experts-impl", "grouped", "--expert-shapes", "8x2,64x5"], "--hidden-dim 24"),
         (["--experts-impl", "grouped", "--expert-shapes", "4x6"], "k must be in 1..E"),
     ],

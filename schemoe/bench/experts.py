@@ -7,6 +7,8 @@ Selected by flags of `schemoe bench layer` (no flag: no rows):
                                --policies, --algorithms, --chunks; no compression). Modes:
                                dropless (f=0) and capacity-padded at --capacity-factor (only
                                dropless when it is 0).
+  --dedup                      also a "dropless dedup" row per impl and shape: dropless with
+                               ParallelConfig.dedup (a token sent once per rank it reaches).
   --expert-shapes 8x2,64x6     E x k per shape. Every shape has the same active FLOPs per token:
                                its hidden dim is H_s = k_0 H / k_s, with H = --hidden-dim and
                                k_0 the first shape's k (k_s H_s = k_0 H).
@@ -19,7 +21,8 @@ Selected by flags of `schemoe bench layer` (no flag: no rows):
 The rows go into the printed table and the JSON line's "experts" object (not "results", whose
 rows share one shape and one lower bound), with the ratios the issue names: dropless-grouped /
 capacity-padded (each impl), the last shape / the first (dropless grouped), grouped expert
-compute / dense bound.
+compute / dense bound; with --dedup, dedup / dropless (grouped) per shape and the last shape
+/ the first with dedup.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=[], help=f"comma list of: {', '.join(IMPLS)}; adds the expert rows")  # fmt: skip
     g.add_argument("--expert-shapes", type=_shape_list, default="8x2,64x6",
                    help="comma list of E x k; hidden dim scaled so k x H stays constant")  # fmt: skip
+    g.add_argument("--dedup", action="store_true",
+                   help="also dropless rows with token deduplication (ParallelConfig.dedup)")  # fmt: skip
     g.add_argument("--dense-bound", action="store_true",
                    help="also time the expert compute alone and one dense FFN of its FLOPs")  # fmt: skip
 
@@ -95,8 +100,11 @@ def shapes(args: argparse.Namespace) -> list[Shape]:
 def validate(args: argparse.Namespace, world: int | None = None) -> None:
     """The expert flags together (ValueError naming the flag); `world` once it is known."""
     if not args.experts_impl:
-        if args.dense_bound:
-            raise ValueError("--dense-bound times the expert rows: add --experts-impl")
+        for flag in ("dense_bound", "dedup"):
+            if getattr(args, flag, False):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} times expert rows: add --experts-impl"
+                )
         return
     if bad := [n for n in args.experts_impl if n not in IMPLS]:
         raise ValueError(f"--experts-impl: unknown {', '.join(bad)}; known: {', '.join(IMPLS)}")
@@ -122,11 +130,11 @@ def header(args: argparse.Namespace) -> list[str]:
     return [line]
 
 
-def _layer_config(args, s: Shape, impl: str, f: float, rpn: int) -> c.MoEConfig:
+def _layer_config(args, s: Shape, impl: str, f: float, rpn: int, dedup: bool) -> c.MoEConfig:
     return c.MoEConfig(
         gate=c.GateConfig(num_experts=s.experts, top_k=s.top_k, capacity_factor=f),
         experts=c.ExpertConfig(model_dim=args.model_dim, hidden_dim=s.hidden, impl=impl),
-        parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=True),
+        parallel=c.ParallelConfig(ranks_per_node=rpn, uniform_tokens=True, dedup=dedup),
         schedule=c.ScheduleConfig(policy=args.policies[0], chunks=args.chunks[0]),
         collective=c.CollectiveConfig(algorithm=args.algorithms[0]),
     )
@@ -150,15 +158,16 @@ def candidates(args, env, x, g, step: Callable, dtype) -> tuple[dict, list[dict]
     if policy in ("auto", "search"):
         policy = "sequential"  # the expert rows run a fixed order
     args = argparse.Namespace(**{**vars(args), "policies": [policy]})
-    modes = [0.0] + ([args.capacity_factor] if args.capacity_factor > 0 else [])
+    modes = [(0.0, False)] + ([(0.0, True)] if getattr(args, "dedup", False) else [])
+    modes += [(args.capacity_factor, False)] if args.capacity_factor > 0 else []
     cands, rows = {}, []
     for s in shapes(args):
-        for f in modes:
+        for f, dedup in modes:
             for impl in args.experts_impl:
-                cfg = _layer_config(args, s, impl, f, env.ranks_per_node)
-                name = f"experts:{s.name}/{impl}/f{f}"
+                cfg = _layer_config(args, s, impl, f, env.ranks_per_node, dedup)
+                mode = "dropless dedup" if dedup else "dropless" if f == 0 else f"f={f}"
+                name = f"experts:{s.name}/{impl}/{mode}"
                 cands[name] = step(MoELayer(cfg).to(dtype), x, g)
-                mode = "dropless" if f == 0 else f"f={f}"
                 rows.append(_row(s, impl, mode, name, 1))
         if not args.dense_bound:
             continue
@@ -206,14 +215,19 @@ def report(rows: list[dict], stats: dict[str, Stats]) -> dict:
                     ratios[f"{s}: dropless grouped / {impl} {m}"] = (
                         by[(s, "grouped", "dropless")] / by[(s, impl, m)]
                     )
+        if (s, "grouped", "dropless dedup") in by and (s, "grouped", "dropless") in by:
+            ratios[f"{s}: dedup grouped / dropless grouped"] = (
+                by[(s, "grouped", "dropless dedup")] / by[(s, "grouped", "dropless")]
+            )
         if (s, "grouped", "experts only") in by:
             dense = next(v for (p, a, _), v in by.items() if p == s and a == "dense bound")
             ratios[f"{s}: grouped experts / dense bound"] = (
                 by[(s, "grouped", "experts only")] / dense
             )
-    if len(names) > 1 and all((s, "grouped", "dropless") in by for s in names):
-        first, last = names[0], names[-1]
-        ratios[f"dropless grouped: {last} / {first}"] = (
-            by[(last, "grouped", "dropless")] / by[(first, "grouped", "dropless")]
-        )
+    for mode in ("dropless", "dropless dedup"):
+        if len(names) > 1 and all((s, "grouped", mode) in by for s in names):
+            first, last = names[0], names[-1]
+            ratios[f"{mode} grouped: {last} / {first}"] = (
+                by[(last, "grouped", mode)] / by[(first, "grouped", mode)]
+            )
     return {"rows": rows, "ratios": ratios}

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from ..dist.devices import control_tensor, control_zeros
 from ..dist.topology import Topology
-from ..routing.layout import Chunk, Partition, build_plan, decode, encode
+from ..routing.dedup import receive, unique_layout
+from ..routing.layout import Chunk, Partition, Unique, build_plan, decode, encode
 from ..routing.router import Routing
 
 __all__ = ["DispatchMeta", "TokenDispatcher"]
@@ -69,6 +70,7 @@ class TokenDispatcher:
         partition: how the chunks cut the buffer (the policy's).
         uniform_tokens: every rank routes the same T at every call (capacity mode only): the
             splits follow from the config and no counts are exchanged.
+        dedup: send each token once per destination rank (dropless only; module docstring).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class TokenDispatcher:
         partition: Partition | str = Partition.CAPACITY,
         *,
         uniform_tokens: bool = False,
+        dedup: bool = False,
     ) -> None:
         if num_experts % topology.world:
             raise ValueError(
@@ -91,6 +94,7 @@ class TokenDispatcher:
         self.chunks = chunks
         self.partition = Partition(partition)
         self.uniform_tokens = uniform_tokens
+        self.dedup = dedup
         # The counts exchange runs on a communicator of its own (never the default group DDP
         # all-reduces on); creating it is collective, like constructing the layer.
         P = topology.world
@@ -147,13 +151,65 @@ class TokenDispatcher:
         plan = build_plan(counts, recv, self.topology.rank, self.chunks, self.partition, device)
         return counts, recv, tuple(plan)
 
+    def dispatch_unique(self, x_TM: torch.Tensor, routing: Routing):
+        """Token deduplication (dropless): (unique rows [U, M], counts, recv_counts, plan) with
+        every chunk's `unique` plan. Collective: the counts exchange (with the unique rows per
+        chunk and destination; the call's one host sync) and one all-to-all of the expanded
+        rows' unique-row indices (integers, the expanded rows' splits)."""
+        P, El, r = self.topology.world, self.num_local, self.chunks
+        # 1. Where each choice's row goes among the unique rows, on the device.
+        lay = unique_layout(routing, P, self.topology.rank, r, self.partition)
+        send_P = torch.cat([routing.counts_E.view(P, El), lay.counts_Q.view(r, P).t()], 1)
+        send = control_zeros(send_P.shape, dtype=torch.long, group=self.group)
+        send.copy_(send_P)
+        recv = send
+        if P > 1:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+        # host sync: the splits must be known on the host; one read of the sent and received
+        # [P, El + r] tables (expert rows, then unique rows per chunk, for each rank).
+        sent, got = torch.stack([send, recv]).tolist()
+        counts = tuple(c for row in sent for c in row[:El])
+        recv_counts = tuple(tuple(row[:El]) for row in got)
+        usend = [[sent[d][El + i] for d in range(P)] for i in range(r)]
+        urecv = [[got[s][El + i] for s in range(P)] for i in range(r)]
+        device = x_TM.device
+        plan = build_plan(counts, recv_counts, self.topology.rank, r, self.partition, device)
+        # 2. Every expanded row's unique row within its (chunk, destination) segment, to the
+        # destination along the expanded rows' layout (no host sync: sizes are known now).
+        uloc = lay.uloc_N.to(send.device)
+        uloc_R = uloc
+        if P > 1:
+            rows_to = [sum(counts[d * El : (d + 1) * El]) for d in range(P)]
+            rows_from = [sum(row) for row in recv_counts]
+            uloc_R = uloc.new_empty(sum(rows_from))
+            dist.all_to_all_single(uloc_R, uloc, rows_from, rows_to, group=self.group)
+        uloc_R = uloc_R.to(device)
+        lo, out = 0, []
+        copies = min(routing.slot_TK.shape[1], El)
+        for i, ch in enumerate(plan):
+            expand = receive(
+                uloc_R, recv_counts, urecv, i, r, self.topology.rank, self.partition, ch.perm
+            )
+            hi = lo + sum(usend[i])
+            u = Unique(lo, hi, tuple(usend[i]), tuple(urecv[i]), expand, copies)
+            out.append(replace(ch, unique=u))
+            lo = hi
+        # 3. The unique rows themselves (differentiable in x).
+        return lay.encode(x_TM, lo), counts, recv_counts, tuple(out)
+
     def dispatch(
         self, x_TM: torch.Tensor, routing: Routing, *, dropless: bool = False
     ) -> tuple[torch.Tensor, DispatchMeta]:
-        """Tokens into this rank's dispatch buffer rows [N, M], and the metadata of the call.
+        """Tokens into this rank's dispatch buffer rows [N, M] (with `dedup`, its unique rows
+        [U, M]), and the metadata of the call.
 
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
+        if self.dedup:
+            rows_UM, counts, recv, plan = self.dispatch_unique(x_TM, routing)
+            meta = DispatchMeta(replace(routing, counts=counts), x_TM.dtype, counts, recv, plan)
+            return rows_UM, meta
         # 1. Start learning what every rank sends to this rank's experts.
         exchange = self.start_counts(routing.counts, routing.counts_E, dropless)
         # 2. Scatter the tokens into the expert-major buffer meanwhile (N known without a read).

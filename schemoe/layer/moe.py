@@ -169,6 +169,7 @@ class MoELayer(nn.Module):
             config.schedule.chunks,
             policy.partition,
             uniform_tokens=config.parallel.uniform_tokens,
+            dedup=config.parallel.dedup,
         )
         links = tuple(self.algorithm.links)
         self._schedules = {}
@@ -279,10 +280,11 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # 1-2. Route, and the tokens into the expert-major buffer (N rows known from T).
         x_TM, routing, aux = self._route(x)
-        rows_NM = encode(x_TM, routing)
+        # (With token deduplication the dispatcher encodes, once it has read the counts.)
+        rows_NM = None if self.dispatcher.dedup else encode(x_TM, routing)
         # 3. Splits, chunk plan, and the scheduled dispatch / experts / combine (forward and
         # backward): eager under torch.compile, the layer's one graph break (opaque.py).
-        out_NM, s_TM = expert_parallel(self, rows_NM, x_TM, routing.counts_E)
+        out_NM, s_TM = expert_parallel(self, rows_NM, x_TM, routing)
         # 4. Weighted sum back in token order, plus the shared experts' output.
         y_TM = decode(out_NM, routing, x.dtype)
         y_TM = y_TM if s_TM is None else y_TM + s_TM

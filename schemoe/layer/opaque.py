@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..routing.router import capacity
+from ..routing.router import Routing, capacity
 from .recompute import selective
 from .region import run_region
 
@@ -40,25 +40,29 @@ def _eager(fn):
 
 @_eager
 def expert_parallel(
-    layer, rows_NM: torch.Tensor, x_TM: torch.Tensor, counts_E: torch.Tensor | None
+    layer, rows_NM: torch.Tensor | None, x_TM: torch.Tensor, routing: Routing
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The expert-parallel step of `layer` (a MoELayer) on this rank's dispatch buffer rows
-    [N, M]: learn the splits (`counts_E`: the router's device counts in dropless mode, None in
-    capacity mode, where they follow from T), plan the chunks, run the scheduled region.
+    [N, M] (None with token deduplication: the dispatcher builds the unique rows from x_TM
+    once it has read the counts): learn the splits (the router's device counts in dropless
+    mode; in capacity mode they follow from T), plan the chunks, run the scheduled region.
 
     Returns (combined rows [N, M], shared experts' output [T, M] or None). Collective unless the
     splits follow from the config; in a checkpointed block's recomputation (recompute.py) the
     first forward's outputs, nothing run."""
-    return selective(layer, rows_NM, lambda wrap: _run(layer, rows_NM, x_TM, counts_E, wrap))
+    return selective(layer, routing.rows, lambda wrap: _run(layer, rows_NM, x_TM, routing, wrap))
 
 
-def _run(layer, rows_NM: torch.Tensor, x_TM: torch.Tensor, counts_E: torch.Tensor | None, wrap):
+def _run(layer, rows_NM: torch.Tensor | None, x_TM: torch.Tensor, routing: Routing, wrap):
     cfg = layer.running
     dispatcher = layer.dispatcher
-    E = cfg.gate.num_experts
-    counts = None if counts_E is not None else (capacity(cfg.gate, x_TM.shape[0]),) * E
-    exchange = dispatcher.start_counts(counts, counts_E, cfg.gate.dropless)
-    _, _, plan = dispatcher.plan_chunks(exchange, rows_NM.device)
+    if dispatcher.dedup:
+        rows_NM, _, _, plan = dispatcher.dispatch_unique(x_TM, routing)
+    else:
+        E = cfg.gate.num_experts
+        counts = None if routing.counts_E is not None else (capacity(cfg.gate, x_TM.shape[0]),) * E
+        exchange = dispatcher.start_counts(counts, routing.counts_E, cfg.gate.dropless)
+        _, _, plan = dispatcher.plan_chunks(exchange, rows_NM.device)
     region = wrap(layer.region_of(plan))
     out = run_region(region, rows_NM, None if layer.shared is None else x_TM)
     return (out, None) if layer.shared is None else out

@@ -184,8 +184,8 @@ def _same(region):
     return region
 
 
-def selective(layer: torch.nn.Module, rows_NM: torch.Tensor, run: Callable[[Callable], tuple]):
-    """`run(wrap)`, a MoE layer's expert-parallel step on rows [N, M] that runs the region
+def selective(layer: torch.nn.Module, rows: int, run: Callable[[Callable], tuple]):
+    """`run(wrap)`, a MoE layer's expert-parallel step on N = `rows` rows that runs the region
     `wrap(region)` and returns (out [N, M], shared out [T, M] or None), under the active
     checkpoint context, if any:
 
@@ -226,9 +226,9 @@ def selective(layer: torch.nn.Module, rows_NM: torch.Tensor, run: Callable[[Call
         tape.entries[tape.cursor] = (id(layer), None)
     tape.cursor += 1
     out_NM, s_TM = kept
-    if out_NM.shape[0] != rows_NM.shape[0]:
+    if out_NM.shape[0] != rows:
         raise RuntimeError(
-            f"the recomputation of a checkpointed block routed {rows_NM.shape[0]} rows into a MoE "
+            f"the recomputation of a checkpointed block routed {rows} rows into a MoE "
             f"layer whose first forward routed {out_NM.shape[0]}: the block's forward must be "
             "deterministic (torch.utils.checkpoint restores the RNG state; other state must not "
             "change between forward and backward)"

@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import trace
 from ..routing.layout import Chunk
+from ..routing.rowmap import sum_rows
 from ..scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from ..scheduling.background import Background
 from .shared import shared_backward, shared_forward, shared_params
@@ -78,9 +79,20 @@ class ChunkRunner:
         comp,
         expert_fn: Callable,
         shared_fn: Callable | None = None,
+        *,
+        backward: bool = False,
     ) -> None:
         self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
         self.shared_fn, self.shared_out = shared_fn, None
+        # Token deduplication: the phase whose transfer carries unique rows (the forward's
+        # dispatch, the backward's return of the input gradient), None without it.
+        dedup = bool(region.plan) and region.plan[0].unique is not None
+        self.unique = None if not dedup else Phase.COMBINE if backward else Phase.DISPATCH
+        self.rows = src_NM.shape[0]  # rows of the result: as many as the source's, except
+        if self.unique == Phase.DISPATCH:  # forward with dedup: unique in, expanded out
+            self.rows = sum(ch.send_rows for ch in region.plan)
+        elif self.unique == Phase.COMBINE:  # backward with dedup: expanded in, unique out
+            self.rows = region.plan[-1].unique.hi
         self.multi = len(region.links) > 1
         self.out: torch.Tensor | None = None
         self.payload: dict[tuple[int, int], torch.Tensor] = {}
@@ -101,35 +113,57 @@ class ChunkRunner:
             return
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
+        unique = t.phase == self.unique
         if t.kind == Kind.C and t.phase == Phase.DISPATCH:
-            x = self.src if ch.send_idx is None else self.src.index_select(0, ch.send_idx)
+            if unique:  # the chunk's unique rows, contiguous
+                x = self.src[ch.unique.lo : ch.unique.hi]
+            else:
+                x = self.src if ch.send_idx is None else self.src.index_select(0, ch.send_idx)
             self._encode(key, x)
         elif t.kind == Kind.D and t.phase == Phase.DISPATCH:
             x = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
-            self.hidden[t.chunk] = x if ch.perm is None else x.index_select(0, ch.perm)
+            if unique:  # every unique row copied to the experts that take it, in expert order
+                x = x.index_select(0, ch.unique.expand)
+            elif ch.perm is not None:
+                x = x.index_select(0, ch.perm)
+            self.hidden[t.chunk] = x
         elif t.kind == Kind.E:
             self.hidden[t.chunk] = self.expert_fn(t.chunk, self.hidden[t.chunk], ch.expert_counts)
         elif t.kind == Kind.C:
             y = self.hidden.pop(t.chunk)
-            self._encode(key, y if ch.inv_perm is None else y.index_select(0, ch.inv_perm))
+            if unique:  # the gradients of a unique row's copies, summed, in received order
+                y = sum_rows(y, *ch.unique.reduce_index())
+            elif ch.inv_perm is not None:
+                y = y.index_select(0, ch.inv_perm)
+            self._encode(key, y)
         else:  # D2: back in this rank's buffer order
             z = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
-            if ch.send_idx is None:
+            if unique:
+                lo, hi = ch.unique.lo, ch.unique.hi
+                whole = lo == 0 and hi == self.rows
+                self.out = z if whole else self._out(z)
+                if not whole:
+                    self.out[lo:hi] = z
+            elif ch.send_idx is None:
                 self.out = z
             else:
-                if self.out is None:
-                    self.out = z.new_empty((self.src.shape[0], self.cols))
-                self.out.index_copy_(0, ch.send_idx, z)
+                self._out(z).index_copy_(0, ch.send_idx, z)
+
+    def _out(self, like: torch.Tensor) -> torch.Tensor:
+        if self.out is None:
+            self.out = like.new_empty((self.rows, self.cols))
+        return self.out
 
     def start(self, t: Task):
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
         x = self.payload[key]
-        send, recv = (
-            (ch.send_splits, ch.recv_splits)
-            if t.phase == Phase.DISPATCH
-            else (ch.recv_splits, ch.send_splits)
+        ours, theirs = (
+            (ch.unique.send_splits, ch.unique.recv_splits)
+            if t.phase == self.unique
+            else (ch.send_splits, ch.recv_splits)
         )
+        send, recv = (ours, theirs) if t.phase == Phase.DISPATCH else (theirs, ours)
         if not self.multi:
             self.payload.pop(key)
             return self.r.algorithm.start(x, send, recv)
@@ -142,7 +176,7 @@ class ChunkRunner:
 
     def result(self) -> torch.Tensor:
         if self.out is None:  # no rows at all on this rank
-            return self.src.new_empty((0, self.cols))
+            return self.src.new_empty((self.rows, self.cols))
         return self.out
 
 
@@ -277,7 +311,12 @@ class _RegionFn(torch.autograd.Function):
         if region.shared is not None:
             s_fn = shared_backward(region.saved, s_params, grad_s[0], keep)
         runner = ChunkRunner(
-            region, grad_NM.contiguous(), region.backward_compressor, expert_bwd, s_fn
+            region,
+            grad_NM.contiguous(),
+            region.backward_compressor,
+            expert_bwd,
+            s_fn,
+            backward=True,
         )
         execute(sched, graph, runner, trace.active("backward"), region.background)
         g_x, g_s = runner.shared_out if s_fn is not None else (None, [])

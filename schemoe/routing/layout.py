@@ -34,7 +34,7 @@ import torch
 from .router import Routing
 from .rowmap import gather_sum, scatter_rows
 
-__all__ = ["Chunk", "Partition", "build_plan", "decode", "encode"]
+__all__ = ["Chunk", "Partition", "Unique", "build_plan", "chunk_part", "decode", "encode"]
 
 
 class Partition(str, enum.Enum):
@@ -89,6 +89,35 @@ def decode(rows_NM: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch
 
 
 @dataclass(frozen=True)
+class Unique:
+    """One chunk's unique rows. Sender: rows [lo, hi) of its unique buffer, `send_splits` to each
+    rank. Receiver: `recv_splits` from each rank; `expand` [R] the received unique row of each
+    expanded row in expert order; `copies` the most expanded rows one unique row has."""
+
+    lo: int
+    hi: int
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    expand: torch.Tensor
+    copies: int
+
+    def reduce_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_UK, kept_UK): row j of unique row u's expanded copies (in expert order), and
+        which of the `copies` columns hold one: rowmap.sum_rows sums them per unique row."""
+        U, K = sum(self.recv_splits), self.copies
+        order = torch.argsort(self.expand, stable=True)
+        owner = self.expand[order]
+        counts = torch.bincount(self.expand, minlength=U)
+        first = torch.cumsum(counts, 0) - counts
+        col = torch.arange(order.numel(), device=order.device) - first[owner]
+        slot_UK = torch.zeros((U, K), dtype=torch.long, device=order.device)
+        kept_UK = torch.zeros((U, K), dtype=torch.bool, device=order.device)
+        slot_UK[owner, col] = order
+        kept_UK[owner, col] = True
+        return slot_UK, kept_UK
+
+
+@dataclass(frozen=True)
 class Chunk:
     send_idx: torch.Tensor | None  # rows of the dispatch buffer, in send order; None = all rows
     send_splits: tuple[int, ...]  # rows to each rank
@@ -96,6 +125,7 @@ class Chunk:
     perm: torch.Tensor | None  # received order -> expert order; None = identity
     inv_perm: torch.Tensor | None
     expert_counts: tuple[int, ...]  # rows per local expert, in expert order
+    unique: Unique | None = None  # token deduplication (dedup.py): the unique rows' plan
 
     @property
     def send_rows(self) -> int:
@@ -112,7 +142,8 @@ def _segments_index(segs: list[tuple[int, int]], device) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
 
 
-def _part(n: int, i: int, r: int) -> tuple[int, int]:
+def chunk_part(n: int, i: int, r: int) -> tuple[int, int]:
+    """Rows [lo, hi) of n that chunk i of r takes (near-equal parts, no padding)."""
     return n * i // r, n * (i + 1) // r
 
 
@@ -148,10 +179,12 @@ def build_plan(
     plan = []
     for i in range(chunks):
         if partition == Partition.CAPACITY:
-            send = [_part(counts[e], i, chunks) for e in range(E)]
-            recv = [[_part(recv_counts[s][el], i, chunks) for el in range(El)] for s in range(P)]
+            send = [chunk_part(counts[e], i, chunks) for e in range(E)]
+            recv = [
+                [chunk_part(recv_counts[s][el], i, chunks) for el in range(El)] for s in range(P)
+            ]
         else:
-            lo, hi = _part(P, i, chunks)
+            lo, hi = chunk_part(P, i, chunks)
             to = {(rank + o) % P for o in range(lo, hi)}
             frm = {(rank - o) % P for o in range(lo, hi)}
             send = [(0, counts[e]) if e // El in to else (0, 0) for e in range(E)]

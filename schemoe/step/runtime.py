@@ -276,7 +276,7 @@ class StackCall:
         fn = expert_backward(region, self.e_p[b], self.keep, on_grads)
         if g_o is None:
             g_o = torch.zeros_like(ins[0])
-        return ChunkRunner(region, g_o.contiguous(), region.backward_compressor, fn)
+        return ChunkRunner(region, g_o.contiguous(), region.backward_compressor, fn, backward=True)
 
     def _at_bwd(self, b: int, j: int, runner: ChunkRunner) -> None:
         rec = self.rec[(b, j)]

@@ -1,0 +1,150 @@
+"""Token deduplication per destination rank: a token goes once to every rank that holds one of its
+chosen experts, not once per chosen expert, and that rank copies it to those experts. Index math
+only; the dispatcher (schemoe.layer.dispatcher) runs the exchanges, the region (region.py) the
+copies and sums.
+
+Legend: T tokens, k choices, E experts, P ranks, El = E / P, r chunks, Q = r P (chunk, rank)
+pairs, N = T k expanded rows (dropless: every choice one row), U unique rows (one per token and
+(chunk, rank) pair its choices reach), R a chunk's received expanded rows.
+
+What moves: forward, the dispatch all-to-all carries unique rows (U instead of N) and the combine
+all-to-all expanded rows, unweighted as always (the sender applies the weights in decode, so no
+weight travels); backward, the gradient of the combine goes out as expanded rows and comes back
+summed per unique row (the receiver adds the gradients of a token's copies before sending). At
+E=64 k=6 on 2 ranks a token reaches 1.98 ranks on average, so the dispatch transfer is a third.
+
+Sender, before the counts read (device ops, no host sync):
+    q of a choice  = chunk i * P + destination rank d; the chunk is the one the plan
+                     (layout.build_plan) puts the choice's row in, from its place among its
+                     expert's rows (capacity partition) or from d (peers partition)
+    unique buffer  = q-major, each q's rows in token order: a token once per q
+    uloc_N         = each expanded row's unique row within its (chunk, destination) segment,
+                     sent to the destination with the row layout of the expanded rows
+Receiver, per chunk (`receive`): `expand` maps each expanded row, in expert order, to a row of
+the chunk's received unique rows (stacked by source rank); `reduce_index` gives the backward the
+inverse: every unique row's copies, summed in expert order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Partition, chunk_part
+from .router import Routing
+from .rowmap import scatter_rows
+
+__all__ = ["UniqueLayout", "receive", "unique_layout"]
+
+
+def _chunk_of(position: torch.Tensor, size: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The chunk i that `chunk_part(size, i, chunks)` puts `position` in: ceil(r (p + 1) / n) - 1."""
+    return (chunks * (position + 1) + size - 1) // size - 1
+
+
+@dataclass(frozen=True)
+class UniqueLayout:
+    """The sender's side of one call (device tensors): `counts_Q` unique rows per (chunk, rank);
+    `uloc_N` every expanded row's unique row within its (chunk, rank) segment; `slot_TQ` and
+    `kept_TQ` each token's unique row per (chunk, rank), where it has one."""
+
+    counts_Q: torch.Tensor
+    uloc_N: torch.Tensor
+    slot_TQ: torch.Tensor
+    kept_TQ: torch.Tensor
+    pos_QT: torch.Tensor
+
+    def encode(self, x_TM: torch.Tensor, rows: int) -> torch.Tensor:
+        """The unique buffer [U, M] (U = `rows`, read with the counts): row u holds the token of
+        its (q, t). Differentiable in x; the backward sums each token's rows (rowmap.py)."""
+        Q = self.slot_TQ.shape[1]
+        T = self.slot_TQ.shape[0]
+        present = self.kept_TQ.t().reshape(-1)
+        dest = torch.where(present, self.pos_QT, rows)  # absent pairs write to a spare row
+        q = torch.arange(Q, device=dest.device)[:, None]
+        t = torch.arange(T, device=dest.device)[None, :]
+        values = (t * Q + q).reshape(-1)  # the flat choice t Q + q, as rowmap takes it
+        choice_U = values.new_zeros(rows + 1).scatter_(0, dest, values)[:rows]
+        return scatter_rows(x_TM, None, self.slot_TQ, self.kept_TQ, choice_U, None)
+
+
+def unique_layout(
+    routing: Routing,
+    world: int,
+    rank: int,
+    chunks: int,
+    partition: Partition | str = Partition.CAPACITY,
+) -> UniqueLayout:
+    """The sender's unique layout of a dropless routing (`routing.counts_E` set), on its device."""
+    if routing.counts_E is None:
+        raise ValueError("token deduplication needs dropless routing (capacity_factor=0)")
+    slot_TK, expert_TK, counts_E = routing.slot_TK, routing.expert_TK, routing.counts_E
+    T = slot_TK.shape[0]
+    E, P, r = counts_E.numel(), world, chunks
+    El, Q = E // P, chunks * world
+    dest_TK = expert_TK // El
+    if Partition(partition) == Partition.CAPACITY:
+        offset_E = torch.cumsum(counts_E, 0) - counts_E
+        n_TK = counts_E[expert_TK]
+        chunk_TK = _chunk_of(slot_TK - offset_E[expert_TK], n_TK, r)
+    else:  # peers: chunk i carries the ranks at offsets [P i // r, P (i + 1) // r)
+        chunk_TK = _chunk_of((dest_TK - rank) % P, torch.full_like(dest_TK, P), r)
+    q_TK = chunk_TK * P + dest_TK
+    key_TK = q_TK * T + torch.arange(T, device=slot_TK.device)[:, None]
+    present = torch.zeros(Q * T, dtype=torch.bool, device=slot_TK.device)
+    present[key_TK.reshape(-1)] = True
+    pos_QT = torch.cumsum(present, 0) - 1  # unique row of each present (q, t)
+    counts_Q = present.view(Q, T).sum(1)
+    start_Q = torch.cumsum(counts_Q, 0) - counts_Q
+    uloc_TK = pos_QT[key_TK] - start_Q[q_TK]
+    uloc_N = torch.empty_like(uloc_TK.reshape(-1))
+    uloc_N[slot_TK.reshape(-1)] = uloc_TK.reshape(-1)
+    slot_TQ = pos_QT.clamp(min=0).view(Q, T).t().contiguous()
+    kept_TQ = present.view(Q, T).t().contiguous()
+    return UniqueLayout(counts_Q, uloc_N, slot_TQ, kept_TQ, pos_QT)
+
+
+def receive(
+    uloc_R: torch.Tensor,
+    recv_counts: Sequence[Sequence[int]],
+    unique_recv: Sequence[Sequence[int]],
+    chunk: int,
+    chunks: int,
+    rank: int,
+    partition: Partition | str,
+    perm: torch.Tensor | None,
+) -> torch.Tensor:
+    """`expand` of chunk `chunk` at the receiver: from `uloc_R`, every received expanded row's
+    unique row within its source's segment (all chunks; source-major, then local expert, each
+    expert's rows in the sender's order), the rows of this chunk (the plan's cut) shifted by
+    their source's place among the chunk's received unique rows, then put in expert order.
+
+    recv_counts: [P][El] expanded rows from each source per local expert; unique_recv: [r][P]
+    unique rows from each source per chunk; perm: the chunk's received -> expert order."""
+    P, El = len(recv_counts), len(recv_counts[0])
+    segs, shifts = [], []
+    base, shift = 0, 0
+    for s in range(P):
+        lo_o, hi_o = chunk_part(P, chunk, chunks)
+        peer = any((rank - o) % P == s for o in range(lo_o, hi_o))
+        for el in range(El):
+            n = recv_counts[s][el]
+            if Partition(partition) == Partition.CAPACITY:
+                a, b = chunk_part(n, chunk, chunks)
+            else:
+                a, b = (0, n) if peer else (0, 0)
+            if b > a:
+                segs.append((base + a, b - a))
+                shifts.append(shift)
+            base += n
+        shift += unique_recv[chunk][s]
+    device = uloc_R.device
+    if not segs:
+        return torch.empty(0, dtype=torch.long, device=device)
+    idx = torch.cat([torch.arange(a, a + n, device=device) for a, n in segs])
+    lengths = torch.tensor([n for _, n in segs], device=device)
+    offset = torch.repeat_interleave(torch.tensor(shifts, device=device), lengths)
+    vals = uloc_R.index_select(0, idx) + offset
+    return vals if perm is None else vals.index_select(0, perm)
