@@ -251,12 +251,11 @@ class ParallelConfig:
     the all-to-all splits then follow from the config, with no counts exchange and no host sync
     (see schemoe.layer.dispatcher); a wrong declaration makes the all-to-alls' splits disagree.
 
-    dedup (dropless routing with the weights on the experts' outputs only): send a token once to
-    each rank that holds any of its chosen experts, not once per expert; the receiving rank
-    copies it to those experts and, in backward, sums the copies' gradients before sending them
-    back (schemoe.routing.dedup). The dispatch transfer then carries T x (ranks reached) rows
-    instead of T k: at E=64 k=6 on 2 ranks a third. Same results up to the order of the sums
-    of a token's input gradient."""
+    dedup (dropless routing, weights on the experts' outputs): every all-to-all carries a token
+    once per rank holding any of its chosen experts, not once per expert: that rank copies it to
+    those experts and returns their weighted sum (schemoe.routing.dedup). Rows moved: T x
+    (ranks reached) instead of T k, at E=64 k=6 on 2 ranks a third. Same results up to the
+    order of the sums over a token's experts."""
 
     ranks_per_node: int | None = None
     uniform_tokens: bool = False

@@ -18,8 +18,12 @@ How the receiver learns its splits ([P][El] rows each source rank sends to each 
   * otherwise (dropless, or T that may differ between ranks): one tiny all-to-all of the counts
     (`dispatch` starts it before encode so it overlaps it; MoELayer.forward, which encodes in
     the compiled graph, starts it after, see schemoe/layer/opaque.py) and one host sync
-    (`.tolist()`) to read it: the chunk plan's splits must be known on the host. The exchange runs on the dispatcher's own
-    communicator (tag "counts"), not on the default group.
+    (`.tolist()`) to read it: the chunk plan's splits must be known on the host. The exchange
+    runs on the dispatcher's own communicator (tag "counts"), not on the default group;
+  * with token deduplication (`dedup`, dropless; schemoe/routing/dedup.py): the same exchange
+    and read, carrying each rank's unique rows per chunk too, then one all-to-all of every
+    expanded row's unique row and combine weight (sizes known: no second sync), and in backward
+    one of the weights' gradients (`Dedup`). The buffer the region moves is the unique rows.
 
 Host syncs of one layer call (forward and backward; tests/test_dispatcher.py counts them):
   * capacity mode, uniform tokens: none (C follows from T, a shape);
@@ -33,18 +37,20 @@ Host syncs of one layer call (forward and backward; tests/test_dispatcher.py cou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..dist.devices import control_tensor, control_zeros
 from ..dist.topology import Topology
-from ..routing.dedup import receive, unique_layout
+from ..routing.dedup import UniqueLayout, receive, unique_layout
 from ..routing.layout import Chunk, Partition, Unique, build_plan, decode, encode
 from ..routing.router import Routing
 
-__all__ = ["DispatchMeta", "TokenDispatcher"]
+__all__ = ["Dedup", "DispatchMeta", "TokenDispatcher"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,45 @@ class DispatchMeta:
     counts: tuple[int, ...]
     recv_counts: tuple[tuple[int, ...], ...]
     plan: tuple[Chunk, ...]
+    dedup: Dedup | None = None
+
+
+@dataclass(frozen=True)
+class Dedup:
+    """One call's token deduplication (routing/dedup.py): the sender's `layout` and `choice_U`,
+    `weights_N` the combine weight of each of its expanded rows (differentiable: the region's
+    input, receivers apply them), the expanded rows to (`rows_to`) and from (`rows_from`) each
+    rank, and the communicator of the exchanges of per-row data."""
+
+    layout: UniqueLayout
+    weights_N: torch.Tensor
+    rows_to: tuple[int, ...]
+    rows_from: tuple[int, ...]
+    group: Any
+    choice_U: torch.Tensor | None = None
+
+    def exchange(self, data_N: torch.Tensor) -> torch.Tensor:
+        """Per-row data of this rank's expanded rows to their receivers: [R, ...]."""
+        if self.group is None:
+            return data_N
+        out = data_N.new_empty((sum(self.rows_from), *data_N.shape[1:]))
+        dist.all_to_all_single(out, data_N, list(self.rows_from), list(self.rows_to), self.group)
+        return out
+
+    def weight_grads(self, grads: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The gradient of `weights_N` from the receivers' (rows, gradient) pairs, one per chunk
+        (rows: places among the received expanded rows). Collective."""
+        g_R = self.weights_N.new_zeros(sum(self.rows_from))
+        for rows, g in grads:
+            g_R.index_copy_(0, rows, g.to(g_R.dtype))
+        device = g_R.device
+        send = control_zeros(g_R.shape, dtype=g_R.dtype, group=self.group)
+        send.copy_(g_R)
+        if self.group is None:
+            return send.to(device)
+        out = send.new_empty(sum(self.rows_to))
+        dist.all_to_all_single(out, send, list(self.rows_to), list(self.rows_from), self.group)
+        return out.to(device)
 
 
 class TokenDispatcher:
@@ -152,13 +197,13 @@ class TokenDispatcher:
         return counts, recv, tuple(plan)
 
     def dispatch_unique(self, x_TM: torch.Tensor, routing: Routing):
-        """Token deduplication (dropless): (unique rows [U, M], counts, recv_counts, plan) with
-        every chunk's `unique` plan. Collective: the counts exchange (with the unique rows per
-        chunk and destination; the call's one host sync) and one all-to-all of the expanded
-        rows' unique-row indices (integers, the expanded rows' splits)."""
-        P, El, r = self.topology.world, self.num_local, self.chunks
+        """Token deduplication (dropless): (unique rows [U, M], counts, recv_counts, plan with
+        every chunk's `unique` plan, the call's `Dedup`). Collective: the counts exchange (with
+        the unique rows per chunk and destination; the call's one host sync), then one
+        all-to-all of every expanded row's unique row and weight (the expanded rows' splits)."""
+        P, El, r, rank = self.topology.world, self.num_local, self.chunks, self.topology.rank
         # 1. Where each choice's row goes among the unique rows, on the device.
-        lay = unique_layout(routing, P, self.topology.rank, r, self.partition)
+        lay = unique_layout(routing, P, rank, r, self.partition)
         send_P = torch.cat([routing.counts_E.view(P, El), lay.counts_Q.view(r, P).t()], 1)
         send = control_zeros(send_P.shape, dtype=torch.long, group=self.group)
         send.copy_(send_P)
@@ -174,29 +219,35 @@ class TokenDispatcher:
         usend = [[sent[d][El + i] for d in range(P)] for i in range(r)]
         urecv = [[got[s][El + i] for s in range(P)] for i in range(r)]
         device = x_TM.device
-        plan = build_plan(counts, recv_counts, self.topology.rank, r, self.partition, device)
-        # 2. Every expanded row's unique row within its (chunk, destination) segment, to the
-        # destination along the expanded rows' layout (no host sync: sizes are known now).
-        uloc = lay.uloc_N.to(send.device)
-        uloc_R = uloc
-        if P > 1:
-            rows_to = [sum(counts[d * El : (d + 1) * El]) for d in range(P)]
-            rows_from = [sum(row) for row in recv_counts]
-            uloc_R = uloc.new_empty(sum(rows_from))
-            dist.all_to_all_single(uloc_R, uloc, rows_from, rows_to, group=self.group)
-        uloc_R = uloc_R.to(device)
+        plan = build_plan(counts, recv_counts, rank, r, self.partition, device)
+        # 2. Every expanded row's unique row (within its chunk and destination) and combine
+        # weight, to the destination along the expanded rows' layout, as one float64 tensor
+        # (exact for both); the sizes are known now: no host sync.
+        T, k = routing.slot_TK.shape
+        choice_N = torch.empty_like(routing.slot_TK.view(-1))
+        choice_N[routing.slot_TK.view(-1)] = torch.arange(T * k, device=choice_N.device)
+        w_N = routing.weight_TK.reshape(-1).index_select(0, choice_N)  # differentiable
+        pack = torch.stack([lay.uloc_N.double(), w_N.detach().double()], 1).to(send.device)
+        call = Dedup(
+            lay,
+            w_N,
+            tuple(sum(counts[d * El : (d + 1) * El]) for d in range(P)),
+            tuple(sum(row) for row in recv_counts),
+            self.group,
+        )
+        got_R = call.exchange(pack).to(device)
+        uloc_R, w_R = got_R[:, 0].long(), got_R[:, 1].float()
         lo, out = 0, []
-        copies = min(routing.slot_TK.shape[1], El)
+        copies = min(k, El)
         for i, ch in enumerate(plan):
-            expand = receive(
-                uloc_R, recv_counts, urecv, i, r, self.topology.rank, self.partition, ch.perm
-            )
+            expand, rows = receive(uloc_R, recv_counts, urecv, i, r, rank, self.partition, ch.perm)
             hi = lo + sum(usend[i])
-            u = Unique(lo, hi, tuple(usend[i]), tuple(urecv[i]), expand, copies)
+            u = Unique(lo, hi, tuple(usend[i]), tuple(urecv[i]), expand, rows, w_R[rows], copies)
             out.append(replace(ch, unique=u))
             lo = hi
+        call = replace(call, choice_U=lay.choices(lo))
         # 3. The unique rows themselves (differentiable in x).
-        return lay.encode(x_TM, lo), counts, recv_counts, tuple(out)
+        return lay.encode(x_TM, call.choice_U), counts, recv_counts, tuple(out), call
 
     def dispatch(
         self, x_TM: torch.Tensor, routing: Routing, *, dropless: bool = False
@@ -207,9 +258,9 @@ class TokenDispatcher:
         Collective over the group unless the splits follow from the config (see the module
         docstring): every rank must call it."""
         if self.dedup:
-            rows_UM, counts, recv, plan = self.dispatch_unique(x_TM, routing)
-            meta = DispatchMeta(replace(routing, counts=counts), x_TM.dtype, counts, recv, plan)
-            return rows_UM, meta
+            rows_UM, counts, recv, plan, call = self.dispatch_unique(x_TM, routing)
+            routing = replace(routing, counts=counts)
+            return rows_UM, DispatchMeta(routing, x_TM.dtype, counts, recv, plan, call)
         # 1. Start learning what every rank sends to this rank's experts.
         exchange = self.start_counts(routing.counts, routing.counts_E, dropless)
         # 2. Scatter the tokens into the expert-major buffer meanwhile (N known without a read).
@@ -221,5 +272,8 @@ class TokenDispatcher:
 
     def combine(self, rows_NM: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """The expert outputs back in token order, each token's k outputs weighted and summed
-        (fp32 accumulation), as the input's dtype: y [T, M]."""
+        (fp32 accumulation), as the input's dtype: y [T, M]. With dedup, rows_NM are the unique
+        rows [U, M], each its receiver's weighted sum: each token's summed."""
+        if meta.dedup is not None:
+            return meta.dedup.layout.decode(rows_NM, meta.dedup.choice_U, meta.dtype)
         return decode(rows_NM, meta.routing, meta.dtype)

@@ -253,10 +253,11 @@ class MoELayer(nn.Module):
 
     def region(self, meta) -> Region:
         """Step 3's region for one call: the chunk plan of `meta` under the running schedules."""
-        return self.region_of(meta.plan)
+        return self.region_of(meta.plan, meta.dedup)
 
-    def region_of(self, plan) -> Region:
-        """The region of one call's chunk plan under the running schedules."""
+    def region_of(self, plan, dedup=None) -> Region:
+        """The region of one call's chunk plan (and token deduplication, `Dedup`) under the
+        running schedules."""
         return Region(
             plan,
             self.algorithm,
@@ -267,6 +268,7 @@ class MoELayer(nn.Module):
             self._schedules[Direction.BACKWARD],
             self.background,
             self.shared,
+            dedup,
         )
 
     def schedule(self, direction: Direction | str) -> tuple[TaskGraph, Schedule]:
@@ -285,8 +287,9 @@ class MoELayer(nn.Module):
         # 3. Splits, chunk plan, and the scheduled dispatch / experts / combine (forward and
         # backward): eager under torch.compile, the layer's one graph break (opaque.py).
         out_NM, s_TM = expert_parallel(self, rows_NM, x_TM, routing)
-        # 4. Weighted sum back in token order, plus the shared experts' output.
-        y_TM = decode(out_NM, routing, x.dtype)
+        # 4. Weighted sum back in token order (with dedup done already), plus the shared
+        # experts' output.
+        y_TM = out_NM if self.dispatcher.dedup else decode(out_NM, routing, x.dtype)
         y_TM = y_TM if s_TM is None else y_TM + s_TM
         return y_TM.view(x.shape), aux
 

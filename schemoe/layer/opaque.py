@@ -43,26 +43,32 @@ def expert_parallel(
     layer, rows_NM: torch.Tensor | None, x_TM: torch.Tensor, routing: Routing
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The expert-parallel step of `layer` (a MoELayer) on this rank's dispatch buffer rows
-    [N, M] (None with token deduplication: the dispatcher builds the unique rows from x_TM
-    once it has read the counts): learn the splits (the router's device counts in dropless
-    mode; in capacity mode they follow from T), plan the chunks, run the scheduled region.
+    [N, M]: learn the splits (the router's device counts in dropless mode; in capacity mode they
+    follow from T), plan the chunks, run the scheduled region.
 
-    Returns (combined rows [N, M], shared experts' output [T, M] or None). Collective unless the
-    splits follow from the config; in a checkpointed block's recomputation (recompute.py) the
-    first forward's outputs, nothing run."""
-    return selective(layer, routing.rows, lambda wrap: _run(layer, rows_NM, x_TM, routing, wrap))
+    Returns (combined rows [N, M], shared experts' output [T, M] or None). With token
+    deduplication (rows_NM None) the dispatcher builds the unique rows from x_TM once it has read
+    the counts, and the result is y [T, M] itself, each token's unique rows summed. Collective
+    unless the splits follow from the config; in a checkpointed block's recomputation
+    (recompute.py) the first forward's outputs, nothing run."""
+    rows = x_TM.shape[0] if layer.dispatcher.dedup else routing.rows
+    return selective(layer, rows, lambda wrap: _run(layer, rows_NM, x_TM, routing, wrap))
 
 
 def _run(layer, rows_NM: torch.Tensor | None, x_TM: torch.Tensor, routing: Routing, wrap):
     cfg = layer.running
     dispatcher = layer.dispatcher
+    call = None
     if dispatcher.dedup:
-        rows_NM, _, _, plan = dispatcher.dispatch_unique(x_TM, routing)
+        rows_NM, _, _, plan, call = dispatcher.dispatch_unique(x_TM, routing)
     else:
         E = cfg.gate.num_experts
         counts = None if routing.counts_E is not None else (capacity(cfg.gate, x_TM.shape[0]),) * E
         exchange = dispatcher.start_counts(counts, routing.counts_E, cfg.gate.dropless)
         _, _, plan = dispatcher.plan_chunks(exchange, rows_NM.device)
-    region = wrap(layer.region_of(plan))
+    region = wrap(layer.region_of(plan, call))
     out = run_region(region, rows_NM, None if layer.shared is None else x_TM)
-    return (out, None) if layer.shared is None else out
+    out, s_TM = (out, None) if layer.shared is None else out
+    if call is not None:
+        out = call.layout.decode(out, call.choice_U, x_TM.dtype)
+    return out, s_TM

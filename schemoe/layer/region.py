@@ -31,6 +31,7 @@ from ..routing.layout import Chunk
 from ..routing.rowmap import sum_rows
 from ..scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from ..scheduling.background import Background
+from .dispatcher import Dedup
 from .shared import shared_backward, shared_forward, shared_params
 
 __all__ = [
@@ -59,6 +60,7 @@ class Region:
     backward: tuple[TaskGraph, Schedule]
     background: Background | None = None  # gradient buckets to post into idle network time
     shared: nn.Module | None = None  # shared experts: the S task (both schedules have it)
+    dedup: Dedup | None = None  # token deduplication: the call's weights and exchanges
     saved: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -84,15 +86,10 @@ class ChunkRunner:
     ) -> None:
         self.r, self.src, self.comp, self.expert_fn = region, src_NM, comp, expert_fn
         self.shared_fn, self.shared_out = shared_fn, None
-        # Token deduplication: the phase whose transfer carries unique rows (the forward's
-        # dispatch, the backward's return of the input gradient), None without it.
-        dedup = bool(region.plan) and region.plan[0].unique is not None
-        self.unique = None if not dedup else Phase.COMBINE if backward else Phase.DISPATCH
-        self.rows = src_NM.shape[0]  # rows of the result: as many as the source's, except
-        if self.unique == Phase.DISPATCH:  # forward with dedup: unique in, expanded out
-            self.rows = sum(ch.send_rows for ch in region.plan)
-        elif self.unique == Phase.COMBINE:  # backward with dedup: expanded in, unique out
-            self.rows = region.plan[-1].unique.hi
+        # Token deduplication: every transfer carries unique rows, in and out alike.
+        self.dedup, self.backward = region.dedup is not None, backward
+        self.rows = region.plan[-1].unique.hi if self.dedup else src_NM.shape[0]
+        self.weight_grad: list[tuple[torch.Tensor, torch.Tensor]] = []  # backward, dedup
         self.multi = len(region.links) > 1
         self.out: torch.Tensor | None = None
         self.payload: dict[tuple[int, int], torch.Tensor] = {}
@@ -113,17 +110,19 @@ class ChunkRunner:
             return
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
-        unique = t.phase == self.unique
+        u = ch.unique
         if t.kind == Kind.C and t.phase == Phase.DISPATCH:
-            if unique:  # the chunk's unique rows, contiguous
-                x = self.src[ch.unique.lo : ch.unique.hi]
+            if u is not None:  # the chunk's unique rows, contiguous
+                x = self.src[u.lo : u.hi]
             else:
                 x = self.src if ch.send_idx is None else self.src.index_select(0, ch.send_idx)
             self._encode(key, x)
         elif t.kind == Kind.D and t.phase == Phase.DISPATCH:
             x = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
-            if unique:  # every unique row copied to the experts that take it, in expert order
-                x = x.index_select(0, ch.unique.expand)
+            if u is not None:  # every unique row copied to the experts that take it
+                x = x.index_select(0, u.expand)
+                if self.backward:
+                    x = self._weigh(t.chunk, u, x)
             elif ch.perm is not None:
                 x = x.index_select(0, ch.perm)
             self.hidden[t.chunk] = x
@@ -131,23 +130,41 @@ class ChunkRunner:
             self.hidden[t.chunk] = self.expert_fn(t.chunk, self.hidden[t.chunk], ch.expert_counts)
         elif t.kind == Kind.C:
             y = self.hidden.pop(t.chunk)
-            if unique:  # the gradients of a unique row's copies, summed, in received order
-                y = sum_rows(y, *ch.unique.reduce_index())
+            if u is not None:  # a unique row's copies summed: forward the weighted expert
+                slot, kept = u.reduce_index()  # outputs (in fp32), backward the gradients
+                w = u.weights[slot] if not self.backward else None
+                y = sum_rows(y, slot, kept, w, None if self.backward else torch.float32).to(y.dtype)
             elif ch.inv_perm is not None:
                 y = y.index_select(0, ch.inv_perm)
             self._encode(key, y)
         else:  # D2: back in this rank's buffer order
             z = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
-            if unique:
-                lo, hi = ch.unique.lo, ch.unique.hi
-                whole = lo == 0 and hi == self.rows
+            if u is not None:
+                whole = u.lo == 0 and u.hi == self.rows
                 self.out = z if whole else self._out(z)
                 if not whole:
-                    self.out[lo:hi] = z
+                    self.out[u.lo : u.hi] = z
             elif ch.send_idx is None:
                 self.out = z
             else:
                 self._out(z).index_copy_(0, ch.send_idx, z)
+
+    def _weigh(self, i: int, u, g: torch.Tensor) -> torch.Tensor:
+        """Backward with dedup: the gradient of each copy's expert output, w g, from that of its
+        token's weighted sum g; and the weight's gradient <g, expert output> (fp32), kept for
+        `weight_grads`."""
+        if i not in self.r.saved:
+            raise RuntimeError("the expert outputs of this MoE region's forward are gone")
+        y = self.r.saved[i][1].detach()
+        self.weight_grad.append((u.rows, (g.float() * y.float()).sum(-1)))
+        return (g.float() * u.weights[:, None]).to(g.dtype)
+
+    def weight_grads(self) -> torch.Tensor | None:
+        """Backward with dedup: the gradient of the region's combine weights (`Dedup.weights_N`),
+        back from the receivers that applied them (collective); None without dedup."""
+        if not (self.dedup and self.backward):
+            return None
+        return self.r.dedup.weight_grads(self.weight_grad)
 
     def _out(self, like: torch.Tensor) -> torch.Tensor:
         if self.out is None:
@@ -158,10 +175,9 @@ class ChunkRunner:
         ch = self.r.plan[t.chunk]
         key = (t.phase, t.chunk)
         x = self.payload[key]
+        u = ch.unique
         ours, theirs = (
-            (ch.unique.send_splits, ch.unique.recv_splits)
-            if t.phase == self.unique
-            else (ch.send_splits, ch.recv_splits)
+            (u.send_splits, u.recv_splits) if u is not None else (ch.send_splits, ch.recv_splits)
         )
         send, recv = (ours, theirs) if t.phase == Phase.DISPATCH else (theirs, ours)
         if not self.multi:
@@ -281,8 +297,9 @@ class OrderedSum:
 
 class _RegionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, region: Region, rows_NM: torch.Tensor, x_TM, *params: torch.Tensor):
-        # params: the experts', then the shared experts' (x_TM is None without them).
+    def forward(ctx, region: Region, rows_NM: torch.Tensor, x_TM, w_N, *params: torch.Tensor):
+        # params: the experts', then the shared experts' (x_TM is None without them); w_N:
+        # with dedup the combine weights the receivers apply (region.dedup.weights_N), else None.
         s_fn = None if region.shared is None else shared_forward(region.shared, x_TM, region.saved)
         out_NM, s_TM = _run_forward(region, rows_NM, expert_forward(region), s_fn)
         ctx.region = region
@@ -320,7 +337,8 @@ class _RegionFn(torch.autograd.Function):
         )
         execute(sched, graph, runner, trace.active("backward"), region.background)
         g_x, g_s = runner.shared_out if s_fn is not None else (None, [])
-        return (None, runner.result(), g_x, *acc.result(params), *g_s)
+        g_w = runner.weight_grads()
+        return (None, runner.result(), g_x, g_w, *acc.result(params), *g_s)
 
 
 def _run_forward(
@@ -335,15 +353,18 @@ def _run_forward(
 def run_region(region: Region, rows_NM: torch.Tensor, x_TM: torch.Tensor | None = None):
     """Dispatch, experts and combine for this rank's buffer rows; returns the combined rows
     [N, M], or with shared experts (`region.shared`, which need this rank's tokens x_TM [T, M])
-    (combined rows [N, M], shared output [T, M])."""
+    (combined rows [N, M], shared output [T, M]). With dedup (`region.dedup`) the rows in and
+    out are the unique rows [U, M], the out rows each a weighted sum of its experts' outputs."""
     if (region.shared is None) != (x_TM is None):
         raise ValueError("x_TM is needed exactly when the region has shared experts")
     params = expert_params(region.experts) + shared_params(region.shared)
+    w_N = None if region.dedup is None else region.dedup.weights_N
     grad = rows_NM.requires_grad or params or (x_TM is not None and x_TM.requires_grad)
+    grad = grad or (w_N is not None and w_N.requires_grad)
     if not torch.is_grad_enabled() or not grad:
         s_fn = None if region.shared is None else (lambda: region.shared(x_TM))
         out_NM, s_TM = _run_forward(
             region, rows_NM, lambda i, x, counts: region.experts(x, counts), s_fn
         )
         return out_NM if s_TM is None else (out_NM, s_TM)
-    return _RegionFn.apply(region, rows_NM, x_TM, *params)
+    return _RegionFn.apply(region, rows_NM, x_TM, w_N, *params)

@@ -7,11 +7,14 @@ Legend: T tokens, k choices, E experts, P ranks, El = E / P, r chunks, Q = r P (
 pairs, N = T k expanded rows (dropless: every choice one row), U unique rows (one per token and
 (chunk, rank) pair its choices reach), R a chunk's received expanded rows.
 
-What moves: forward, the dispatch all-to-all carries unique rows (U instead of N) and the combine
-all-to-all expanded rows, unweighted as always (the sender applies the weights in decode, so no
-weight travels); backward, the gradient of the combine goes out as expanded rows and comes back
-summed per unique row (the receiver adds the gradients of a token's copies before sending). At
-E=64 k=6 on 2 ranks a token reaches 1.98 ranks on average, so the dispatch transfer is a third.
+What moves: every all-to-all carries unique rows, U instead of N, both ways, forward and
+backward. The dispatch sends a token once per (chunk, rank); the receiver copies it to its chosen
+experts there, applies the combine weights (sent once per call with the row indices, fp32) and
+sums the copies' outputs in fp32, so the combine sends one row back per unique row; the sender
+sums a token's unique rows. Backward: the output gradient goes out once per unique row, the
+receiver forms each copy's (w g) and the weights' gradients (<g, expert output>, sent back once
+per call), and sums the copies' input gradients before sending them back. At E=64 k=6 on 2 ranks
+a token reaches 1.98 ranks on average: a third of the rows.
 
 Sender, before the counts read (device ops, no host sync):
     q of a choice  = chunk i * P + destination rank d; the chunk is the one the plan
@@ -21,8 +24,8 @@ Sender, before the counts read (device ops, no host sync):
     uloc_N         = each expanded row's unique row within its (chunk, destination) segment,
                      sent to the destination with the row layout of the expanded rows
 Receiver, per chunk (`receive`): `expand` maps each expanded row, in expert order, to a row of
-the chunk's received unique rows (stacked by source rank); `reduce_index` gives the backward the
-inverse: every unique row's copies, summed in expert order (deterministic, no atomics).
+the chunk's received unique rows (stacked by source rank); `Unique.reduce_index` the inverse:
+every unique row's copies, summed in expert order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -34,13 +37,13 @@ import torch
 
 from .layout import Partition, chunk_part
 from .router import Routing
-from .rowmap import scatter_rows
+from .rowmap import gather_sum, scatter_rows
 
 __all__ = ["UniqueLayout", "receive", "unique_layout"]
 
 
 def _chunk_of(position: torch.Tensor, size: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The chunk i that `chunk_part(size, i, chunks)` puts `position` in: ceil(r (p + 1) / n) - 1."""
+    """The chunk i whose `chunk_part(size, i, chunks)` holds `position`: ceil(r (p+1) / n) - 1."""
     return (chunks * (position + 1) + size - 1) // size - 1
 
 
@@ -56,18 +59,26 @@ class UniqueLayout:
     kept_TQ: torch.Tensor
     pos_QT: torch.Tensor
 
-    def encode(self, x_TM: torch.Tensor, rows: int) -> torch.Tensor:
-        """The unique buffer [U, M] (U = `rows`, read with the counts): row u holds the token of
-        its (q, t). Differentiable in x; the backward sums each token's rows (rowmap.py)."""
-        Q = self.slot_TQ.shape[1]
-        T = self.slot_TQ.shape[0]
+    def choices(self, rows: int) -> torch.Tensor:
+        """choice_U [U] (U = `rows`, read with the counts): the flat (token, pair) t Q + q each
+        unique row holds, as rowmap's index ops take it."""
+        T, Q = self.slot_TQ.shape
         present = self.kept_TQ.t().reshape(-1)
         dest = torch.where(present, self.pos_QT, rows)  # absent pairs write to a spare row
         q = torch.arange(Q, device=dest.device)[:, None]
         t = torch.arange(T, device=dest.device)[None, :]
-        values = (t * Q + q).reshape(-1)  # the flat choice t Q + q, as rowmap takes it
-        choice_U = values.new_zeros(rows + 1).scatter_(0, dest, values)[:rows]
+        values = (t * Q + q).reshape(-1)
+        return values.new_zeros(rows + 1).scatter_(0, dest, values)[:rows]
+
+    def encode(self, x_TM: torch.Tensor, choice_U: torch.Tensor) -> torch.Tensor:
+        """The unique buffer [U, M]: row u holds the token of its (q, t). Differentiable in x;
+        the backward sums each token's rows (rowmap.py)."""
         return scatter_rows(x_TM, None, self.slot_TQ, self.kept_TQ, choice_U, None)
+
+    def decode(self, out_UM: torch.Tensor, choice_U: torch.Tensor, dtype) -> torch.Tensor:
+        """y [T, M] in `dtype`: each token's unique rows summed (fp32, in (chunk, rank) order):
+        the receivers weighted and summed its experts' outputs already. Differentiable."""
+        return gather_sum(out_UM, None, self.slot_TQ, self.kept_TQ, choice_U, None).to(dtype)
 
 
 def unique_layout(
@@ -115,19 +126,20 @@ def receive(
     rank: int,
     partition: Partition | str,
     perm: torch.Tensor | None,
-) -> torch.Tensor:
-    """`expand` of chunk `chunk` at the receiver: from `uloc_R`, every received expanded row's
-    unique row within its source's segment (all chunks; source-major, then local expert, each
-    expert's rows in the sender's order), the rows of this chunk (the plan's cut) shifted by
-    their source's place among the chunk's received unique rows, then put in expert order.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expand, rows) of chunk `chunk` at the receiver, both over its expanded rows in expert
+    order: `rows` their places among all received expanded rows (source-major, then local
+    expert, each expert's rows in the sender's order; the plan's cut of them), `expand` their
+    unique rows among the chunk's received ones (stacked by source): `uloc_R`, each received
+    expanded row's unique row within its source's segment, shifted by the source's place.
 
     recv_counts: [P][El] expanded rows from each source per local expert; unique_recv: [r][P]
     unique rows from each source per chunk; perm: the chunk's received -> expert order."""
     P, El = len(recv_counts), len(recv_counts[0])
     segs, shifts = [], []
     base, shift = 0, 0
+    lo_o, hi_o = chunk_part(P, chunk, chunks)
     for s in range(P):
-        lo_o, hi_o = chunk_part(P, chunk, chunks)
         peer = any((rank - o) % P == s for o in range(lo_o, hi_o))
         for el in range(El):
             n = recv_counts[s][el]
@@ -142,9 +154,14 @@ def receive(
         shift += unique_recv[chunk][s]
     device = uloc_R.device
     if not segs:
-        return torch.empty(0, dtype=torch.long, device=device)
-    idx = torch.cat([torch.arange(a, a + n, device=device) for a, n in segs])
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, empty
+    rows = torch.cat([torch.arange(a, a + n, device=device) for a, n in segs])
     lengths = torch.tensor([n for _, n in segs], device=device)
-    offset = torch.repeat_interleave(torch.tensor(shifts, device=device), lengths)
-    vals = uloc_R.index_select(0, idx) + offset
-    return vals if perm is None else vals.index_select(0, perm)
+    total = sum(n for _, n in segs)  # given: no device sync for the output size
+    offset = torch.repeat_interleave(
+        torch.tensor(shifts, device=device), lengths, output_size=total
+    )
+    if perm is not None:
+        rows, offset = rows.index_select(0, perm), offset.index_select(0, perm)
+    return uloc_R.index_select(0, rows) + offset, rows

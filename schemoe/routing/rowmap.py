@@ -129,8 +129,13 @@ def gather_sum(
 
 
 def sum_rows(
-    rows_NM: torch.Tensor, slot_TK: torch.Tensor, kept_TK: torch.Tensor | None
+    rows_NM: torch.Tensor,
+    slot_TK: torch.Tensor,
+    kept_TK: torch.Tensor | None,
+    w_TK: torch.Tensor | None = None,
+    acc: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y [T, M] in rows' dtype: y[t] = sum_j rows[slot[t, j]] over kept columns, left to right;
-    not differentiable (the token-deduplication backward sums a unique row's copies with it)."""
-    return _gather(rows_NM, slot_TK, None, kept_TK, rows_NM.dtype)
+    """y [T, M] in `acc` (default rows' dtype): y[t] = sum_j w[t, j] rows[slot[t, j]] over kept
+    columns, left to right (w None: 1); not differentiable. Token deduplication sums a unique
+    row's copies with it (the experts' outputs weighted, in fp32; the input gradients)."""
+    return _gather(rows_NM, slot_TK, w_TK, kept_TK, acc or rows_NM.dtype)

@@ -286,6 +286,8 @@ class StackCall:
             (rec["meta"].routing.weight_TK, rec["g_w"]),
             (rec["aux"], self.g_aux / self.m),
         ]
+        if rec["meta"].dedup is not None:  # the receivers applied the combine weights
+            outs.append((rec["meta"].dedup.weights_N, runner.weight_grads()))
         if rec["balance"] is not None:  # d(w E sum f P)/dP_j = w E f / m (the chain's order)
             gate = self.stages[b].moe.running.gate
             g_P = self.f_E[b] * (gate.num_experts * (gate.aux_loss_weight * self.g_aux))
