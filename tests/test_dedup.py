@@ -7,6 +7,7 @@ the stack, activation checkpointing and torch.compile run it; misuse refused nam
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ import torch.distributed as dist
 from moe_cases import check_against_reference, close, global_weights, inputs, run_layer
 from schemoe import MoELayer, SharedExpertConfig, checkpoint_block, is_expert_param
 from schemoe import config as c
+from schemoe.costmodel.hardware import Hardware, Link
+from schemoe.costmodel.model import CostModel, LayerShape
+from schemoe.scheduling import TaskGraph
 from schemoe.step.stack import Stage, run_stack
 
 M, H = 12, 20
@@ -229,3 +233,27 @@ def test_the_counts_read_is_the_one_host_sync_of_a_dedup_call(monkeypatch):
     (y.sum() + aux).backward()
     assert reads[0] == 1
     assert not dist.is_initialized()
+
+
+def test_the_cost_model_prices_dedup_transfers_at_the_rows_they_carry():
+    """LayerShape.reach: a token's ranks reached over k under uniform routing; the all-to-all
+    tasks of a dedup layer cost that fraction of the plain layer's bytes."""
+    E, k, P = 64, 6, 4
+    shape = LayerShape(4096, 1024, 512, E, k, 0.0, dedup=True)
+    want = P * (1 - math.comb(E - E // P, k) / math.comb(E, k)) / k
+    assert shape.reach(P) == pytest.approx(want) and 0.5 < want < 0.7
+    assert shape.reach(1) == pytest.approx(1 / k)  # one rank: a token once, not k times
+    assert dataclasses.replace(shape, dedup=False).reach(P) == 1.0
+    hw = Hardware(name="t", nodes=2, ranks_per_node=2, intra=Link(0.0, 1e9),
+                  inter=Link(0.0, 1e8), flops=1e10, gemm_alpha=1e-5, memory=1e9,
+                  task_overhead=1e-5)  # fmt: skip
+    graph = TaskGraph(2)
+    plain = CostModel(hw, dataclasses.replace(shape, dedup=False)).task_costs(graph).durations
+    dedup = CostModel(hw, shape).task_costs(graph).durations
+    for t, v in plain.items():
+        if t.is_comm:  # no latency term here: exactly the bytes' ratio
+            assert dedup[t] == pytest.approx(want * v), t
+        elif t.kind == "E":
+            assert dedup[t] == v, t  # the experts compute every copy
+    cfg = dedup_config("schemoe", 2, 16, 6)
+    assert LayerShape.of(cfg, 100).dedup and not LayerShape.of(without_dedup(cfg), 100).dedup

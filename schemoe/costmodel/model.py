@@ -213,6 +213,7 @@ class LayerShape:
     activation: str = field_default(ExpertConfig, "activation")
     dtype_bytes: int = 4
     shared_hidden: int = 0  # the shared experts' num x hidden_dim (0: none); all T tokens
+    dedup: bool = False  # ParallelConfig.dedup: a token crosses to a rank once (`reach`)
 
     def __post_init__(self) -> None:
         # The layer's own configs check experts, k, f and the dims, naming the bad value.
@@ -237,6 +238,15 @@ class LayerShape:
         f = self.capacity_factor or 1.0
         return min(math.ceil(f * self.top_k * self.tokens / self.experts), self.tokens)
 
+    def reach(self, world: int) -> float:
+        """The rows the all-to-alls carry over the k T routed ones: with dedup, a token once per
+        rank its choices reach, P (1 - C(E - El, k) / C(E, k)) ranks on average under uniform
+        routing, over k; 1 without."""
+        if not self.dedup:
+            return 1.0
+        E, k, El = self.experts, self.top_k, self.experts // world
+        return world * (1 - math.comb(E - El, k) / math.comb(E, k)) / k
+
     @classmethod
     def of(cls, config, tokens: int, dtype_bytes: int = 4) -> LayerShape:
         g, e = config.gate, config.experts
@@ -250,6 +260,7 @@ class LayerShape:
             e.activation,
             dtype_bytes,
             config.shared.total_hidden if getattr(config, "shared", None) is not None else 0,
+            config.parallel.dedup,
         )
 
 
@@ -330,8 +341,12 @@ class CostModel:
                 gathered = r > 1
             raw = sum(pair)
             rows = raw / (M * b)
-            links = a2a(hw, [s * ratio for s in pair])
-            enc, dec = codec_time(hw, comp, raw), codec_time(hw, comp, raw, decode=True)
+            # With dedup the transfers and their codecs carry `reach` of the rows; the copies
+            # to and from the experts' order (now expand and weighted sum) stay full size.
+            wire = sh.reach(P)
+            links = a2a(hw, [s * ratio * wire for s in pair])
+            enc = codec_time(hw, comp, raw * wire)
+            dec = codec_time(hw, comp, raw * wire, decode=True)
             mv = copy_time(hw, raw)
             out[Task("C", 1, i)] = enc + (mv if gathered else 0.0)
             out[Task("D", 1, i)] = dec + (mv if permute else 0.0)

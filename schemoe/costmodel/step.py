@@ -70,6 +70,7 @@ class StepShape:
     top_k: int = field_default(GateConfig, "top_k")
     capacity_factor: float = field_default(GateConfig, "capacity_factor")
     vocab: int = 256
+    dedup: bool = False  # ParallelConfig.dedup (LayerShape.reach)
 
     @property
     def tokens(self) -> int:
@@ -86,6 +87,7 @@ class StepShape:
             self.experts,
             self.top_k,
             self.capacity_factor,
+            dedup=self.dedup,
         )
 
     def block_dense_params(self, i: int) -> int:

@@ -101,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # capacity-mode splits follow from the config: no counts exchange, no host sync.
     m("--uniform-tokens", action=argparse.BooleanOptionalAction,
       help="every rank routes the same tokens per call (default: yes, as this trainer does)")  # fmt: skip
+    m("--dedup", action=argparse.BooleanOptionalAction,
+      help="dropless: every all-to-all carries a token once per rank it reaches, not once per "
+      "expert (ParallelConfig.dedup)")  # fmt: skip
     m("--policy",
       help=f"schedule policy: {', '.join(POLICIES.names())}, or auto (the cost model chooses)")  # fmt: skip
     m("--chunks", type=int, help="r, chunks per layer call")

@@ -11,9 +11,7 @@ the machine (the rank count, --device cuda, optional packages, the corpus, the p
 `schemoe train` runs both before any rank starts. Nothing mutates a TrainConfig: what a run
 resolves later (--micro-chunks auto's m, the default expert count) is a `dataclasses.replace`
 copy. Field names are the command line's (`grad_accum` is --grad-accum), and every error names
-the flag and the value, as a user typed them; errors the MoEConfig raises name its own fields,
-which `MOE_FLAGS` (one table) maps to the flags.
-"""
+the flag and value as typed; MoEConfig's own errors are spelled with the flags by `MOE_FLAGS`."""
 
 from __future__ import annotations
 
@@ -60,7 +58,7 @@ MOE_FLAGS: dict[str, tuple[type, dict[str, str]]] = {
         "model_dim": "model_dim", "hidden_dim": "hidden_dim", "activation": "activation",
         "bias": "expert_bias", "impl": "experts_impl"}),
     "parallel": (layer_config.ParallelConfig, {
-        "ranks_per_node": "ranks_per_node", "uniform_tokens": "uniform_tokens"}),
+        "ranks_per_node": "ranks_per_node", "uniform_tokens": "uniform_tokens", "dedup": "dedup"}),
     "schedule": (layer_config.ScheduleConfig, {
         "policy": "policy", "chunks": "chunks", "accuracy_budget": "budget", "trials": "trials",
         "shortlist": "shortlist"}),
@@ -179,6 +177,7 @@ class TrainConfig:
     shared_experts: int = 0  # always-on experts of hidden dim hidden_dim (MoEConfig.shared)
     ranks_per_node: int | None = _layer("ranks_per_node")
     uniform_tokens: bool = True  # not the layer's False: every rank routes batch x seq_len
+    dedup: bool = _layer("dedup")
     policy: str = _layer("policy")
     chunks: int = _layer("chunks")
     micro_chunks: int | str = layer_config.field_default(GPTConfig, "micro_chunks")

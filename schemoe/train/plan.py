@@ -36,7 +36,7 @@ def step_shape(cfg: TrainConfig, world: int) -> StepShape:
         batch=cfg.batch, seq_len=cfg.seq_len, model_dim=cfg.model_dim, hidden=cfg.hidden_dim,
         layers=cfg.layers, heads=cfg.heads, moe_every=cfg.moe_every,
         experts=cfg.num_experts(world), top_k=cfg.top_k,
-        capacity_factor=cfg.capacity_factor or 1.0,
+        capacity_factor=cfg.capacity_factor or 1.0, dedup=cfg.dedup,
     )  # fmt: skip
 
 
