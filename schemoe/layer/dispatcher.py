@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..dist.devices import control_tensor, control_zeros
 from ..dist.topology import Topology
-from ..routing.dedup import UniqueLayout, receive, unique_layout
+from ..routing.dedup import UniqueLayout, decode_unique, encode_unique, receive, unique_layout
 from ..routing.layout import Chunk, Partition, Unique, build_plan, decode, encode
 from ..routing.router import Routing
 
@@ -69,17 +69,23 @@ class DispatchMeta:
 
 @dataclass(frozen=True)
 class Dedup:
-    """One call's token deduplication (routing/dedup.py): the sender's `layout` and `choice_U`,
-    `weights_N` the combine weight of each of its expanded rows (differentiable: the region's
-    input, receivers apply them), the expanded rows to (`rows_to`) and from (`rows_from`) each
-    rank, and the communicator of the exchanges of per-row data."""
+    """One call's token deduplication (routing/dedup.py): the sender's `layout` and `token_U`
+    (the token of each of its unique rows), `weights_N` the combine weight of each of its
+    expanded rows (differentiable: the region's input, receivers apply them), the expanded rows
+    to (`rows_to`) and from (`rows_from`) each rank, and the communicator of the exchanges of
+    per-row data."""
 
     layout: UniqueLayout
     weights_N: torch.Tensor
     rows_to: tuple[int, ...]
     rows_from: tuple[int, ...]
     group: Any
-    choice_U: torch.Tensor | None = None
+    token_U: torch.Tensor | None = None
+
+    def combine(self, out_UM: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """y [T, M]: each token's unique rows (its receivers' weighted sums) summed, fp32."""
+        T = self.layout.present_QT.numel() // self.layout.counts_Q.numel()
+        return decode_unique(out_UM, self.token_U, T, dtype)
 
     def exchange(self, data_N: torch.Tensor) -> torch.Tensor:
         """Per-row data of this rank's expanded rows to their receivers: [R, ...]."""
@@ -238,16 +244,15 @@ class TokenDispatcher:
         got_R = call.exchange(pack).to(device)
         uloc_R, w_R = got_R[:, 0].long(), got_R[:, 1].float()
         lo, out = 0, []
-        copies = min(k, El)
         for i, ch in enumerate(plan):
             expand, rows = receive(uloc_R, recv_counts, urecv, i, r, rank, self.partition, ch.perm)
             hi = lo + sum(usend[i])
-            u = Unique(lo, hi, tuple(usend[i]), tuple(urecv[i]), expand, rows, w_R[rows], copies)
+            u = Unique(lo, hi, tuple(usend[i]), tuple(urecv[i]), expand, rows, w_R[rows])
             out.append(replace(ch, unique=u))
             lo = hi
-        call = replace(call, choice_U=lay.choices(lo))
+        call = replace(call, token_U=lay.tokens(lo))
         # 3. The unique rows themselves (differentiable in x).
-        return lay.encode(x_TM, call.choice_U), counts, recv_counts, tuple(out), call
+        return encode_unique(x_TM, call.token_U), counts, recv_counts, tuple(out), call
 
     def dispatch(
         self, x_TM: torch.Tensor, routing: Routing, *, dropless: bool = False
@@ -275,5 +280,5 @@ class TokenDispatcher:
         (fp32 accumulation), as the input's dtype: y [T, M]. With dedup, rows_NM are the unique
         rows [U, M], each its receiver's weighted sum: each token's summed."""
         if meta.dedup is not None:
-            return meta.dedup.layout.decode(rows_NM, meta.dedup.choice_U, meta.dtype)
+            return meta.dedup.combine(rows_NM, meta.dtype)
         return decode(rows_NM, meta.routing, meta.dtype)

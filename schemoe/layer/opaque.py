@@ -70,5 +70,5 @@ def _run(layer, rows_NM: torch.Tensor | None, x_TM: torch.Tensor, routing: Routi
     out = run_region(region, rows_NM, None if layer.shared is None else x_TM)
     out, s_TM = (out, None) if layer.shared is None else out
     if call is not None:
-        out = call.layout.decode(out, call.choice_U, x_TM.dtype)
+        out = call.combine(out, x_TM.dtype)
     return out, s_TM

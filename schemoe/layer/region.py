@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from .. import trace
+from ..routing.dedup import sum_copies
 from ..routing.layout import Chunk
-from ..routing.rowmap import sum_rows
 from ..scheduling import Kind, Phase, Schedule, Task, TaskGraph, execute
 from ..scheduling.background import Background
 from .dispatcher import Dedup
@@ -131,9 +131,8 @@ class ChunkRunner:
         elif t.kind == Kind.C:
             y = self.hidden.pop(t.chunk)
             if u is not None:  # a unique row's copies summed: forward the weighted expert
-                slot, kept = u.reduce_index()  # outputs (in fp32), backward the gradients
-                w = u.weights[slot] if not self.backward else None
-                y = sum_rows(y, slot, kept, w, None if self.backward else torch.float32).to(y.dtype)
+                w = None if self.backward else u.weights  # outputs (in fp32), backward the grads
+                y = sum_copies(y, u.expand, sum(u.recv_splits), w).to(y.dtype)
             elif ch.inv_perm is not None:
                 y = y.index_select(0, ch.inv_perm)
             self._encode(key, y)

@@ -24,8 +24,9 @@ Sender, before the counts read (device ops, no host sync):
     uloc_N         = each expanded row's unique row within its (chunk, destination) segment,
                      sent to the destination with the row layout of the expanded rows
 Receiver, per chunk (`receive`): `expand` maps each expanded row, in expert order, to a row of
-the chunk's received unique rows (stacked by source rank); `Unique.reduce_index` the inverse:
-every unique row's copies, summed in expert order (deterministic, no atomics).
+the chunk's received unique rows (stacked by source rank); `sum_copies` sums every unique row's
+copies in expert order. The sums are index_add_: in row order on CPU; on CUDA atomic unless
+torch.use_deterministic_algorithms(True), which gives torch's deterministic kernel.
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ import torch
 
 from .layout import Partition, chunk_part
 from .router import Routing
-from .rowmap import gather_sum, scatter_rows
 
-__all__ = ["UniqueLayout", "receive", "unique_layout"]
+__all__ = [
+    "UniqueLayout",
+    "decode_unique",
+    "encode_unique",
+    "receive",
+    "sum_copies",
+    "unique_layout",
+]
 
 
 def _chunk_of(position: torch.Tensor, size: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -50,35 +57,43 @@ def _chunk_of(position: torch.Tensor, size: torch.Tensor, chunks: int) -> torch.
 @dataclass(frozen=True)
 class UniqueLayout:
     """The sender's side of one call (device tensors): `counts_Q` unique rows per (chunk, rank);
-    `uloc_N` every expanded row's unique row within its (chunk, rank) segment; `slot_TQ` and
-    `kept_TQ` each token's unique row per (chunk, rank), where it has one."""
+    `uloc_N` every expanded row's unique row within its (chunk, rank) segment; `present_QT` which
+    (q, t) pairs have a unique row, `pos_QT` its row where present."""
 
     counts_Q: torch.Tensor
     uloc_N: torch.Tensor
-    slot_TQ: torch.Tensor
-    kept_TQ: torch.Tensor
+    present_QT: torch.Tensor
     pos_QT: torch.Tensor
 
-    def choices(self, rows: int) -> torch.Tensor:
-        """choice_U [U] (U = `rows`, read with the counts): the flat (token, pair) t Q + q each
-        unique row holds, as rowmap's index ops take it."""
-        T, Q = self.slot_TQ.shape
-        present = self.kept_TQ.t().reshape(-1)
-        dest = torch.where(present, self.pos_QT, rows)  # absent pairs write to a spare row
-        q = torch.arange(Q, device=dest.device)[:, None]
-        t = torch.arange(T, device=dest.device)[None, :]
-        values = (t * Q + q).reshape(-1)
-        return values.new_zeros(rows + 1).scatter_(0, dest, values)[:rows]
+    def tokens(self, rows: int) -> torch.Tensor:
+        """token_U [U] (U = `rows`, read with the counts): the token each unique row holds."""
+        T = self.present_QT.numel() // self.counts_Q.numel()
+        dest = torch.where(self.present_QT, self.pos_QT, rows)  # absent pairs: a spare row
+        t = torch.arange(T, device=dest.device).repeat(self.counts_Q.numel())
+        return t.new_zeros(rows + 1).scatter_(0, dest, t)[:rows]
 
-    def encode(self, x_TM: torch.Tensor, choice_U: torch.Tensor) -> torch.Tensor:
-        """The unique buffer [U, M]: row u holds the token of its (q, t). Differentiable in x;
-        the backward sums each token's rows (rowmap.py)."""
-        return scatter_rows(x_TM, None, self.slot_TQ, self.kept_TQ, choice_U, None)
 
-    def decode(self, out_UM: torch.Tensor, choice_U: torch.Tensor, dtype) -> torch.Tensor:
-        """y [T, M] in `dtype`: each token's unique rows summed (fp32, in (chunk, rank) order):
-        the receivers weighted and summed its experts' outputs already. Differentiable."""
-        return gather_sum(out_UM, None, self.slot_TQ, self.kept_TQ, choice_U, None).to(dtype)
+def encode_unique(x_TM: torch.Tensor, token_U: torch.Tensor) -> torch.Tensor:
+    """The unique buffer [U, M]: row u holds token token_U[u]. Differentiable in x (autograd's
+    index_add_ sums each token's rows: in row order on CPU; on CUDA deterministic under
+    torch.use_deterministic_algorithms, as every index_add_ here)."""
+    return x_TM.index_select(0, token_U)
+
+
+def decode_unique(out_UM: torch.Tensor, token_U: torch.Tensor, tokens: int, dtype) -> torch.Tensor:
+    """y [T, M] in `dtype`: each token's unique rows summed in fp32, in row order (the receivers
+    weighted and summed its experts' outputs already). Differentiable in the rows."""
+    y_TM = out_UM.new_zeros((tokens, out_UM.shape[1]), dtype=torch.float32)
+    return y_TM.index_add(0, token_U, out_UM.float()).to(dtype)
+
+
+def sum_copies(rows_RM: torch.Tensor, expand: torch.Tensor, n: int, w_R=None) -> torch.Tensor:
+    """[n, M]: each unique row's copies (rows_RM[r] for expand[r] = u) summed in row order, each
+    times w_R[r] first where given (then in fp32, returned in fp32); not differentiable."""
+    if w_R is not None:
+        rows_RM = rows_RM.float() * w_R[:, None]
+    out = rows_RM.new_zeros((n, rows_RM.shape[1]))
+    return out.index_add_(0, expand, rows_RM)
 
 
 def unique_layout(
@@ -112,9 +127,7 @@ def unique_layout(
     uloc_TK = pos_QT[key_TK] - start_Q[q_TK]
     uloc_N = torch.empty_like(uloc_TK.reshape(-1))
     uloc_N[slot_TK.reshape(-1)] = uloc_TK.reshape(-1)
-    slot_TQ = pos_QT.clamp(min=0).view(Q, T).t().contiguous()
-    kept_TQ = present.view(Q, T).t().contiguous()
-    return UniqueLayout(counts_Q, uloc_N, slot_TQ, kept_TQ, pos_QT)
+    return UniqueLayout(counts_Q, uloc_N, present, pos_QT)
 
 
 def receive(
@@ -156,12 +169,14 @@ def receive(
     if not segs:
         empty = torch.empty(0, dtype=torch.long, device=device)
         return empty, empty
-    rows = torch.cat([torch.arange(a, a + n, device=device) for a, n in segs])
+    total = sum(n for _, n in segs)  # given: no device sync for the output sizes
+    starts = torch.tensor([a for a, _ in segs], device=device)
     lengths = torch.tensor([n for _, n in segs], device=device)
-    total = sum(n for _, n in segs)  # given: no device sync for the output size
-    offset = torch.repeat_interleave(
-        torch.tensor(shifts, device=device), lengths, output_size=total
-    )
+    first = torch.cumsum(lengths, 0) - lengths  # each segment's first place in `rows`
+    shift = torch.tensor(shifts, device=device)
+    rows = torch.arange(total, device=device)
+    rows += torch.repeat_interleave(starts - first, lengths, output_size=total)
+    offset = torch.repeat_interleave(shift, lengths, output_size=total)
     if perm is not None:
         rows, offset = rows.index_select(0, perm), offset.index_select(0, perm)
     return uloc_R.index_select(0, rows) + offset, rows

@@ -93,8 +93,7 @@ class Unique:
     """One chunk's unique rows (routing/dedup.py). Sender: rows [lo, hi) of its unique buffer,
     `send_splits` to each rank. Receiver: `recv_splits` from each rank; over the chunk's expanded
     rows in expert order, `expand` [R] their received unique rows, `rows` their places among all
-    the call's received expanded rows and `weights` their combine weights (fp32, no gradient);
-    `copies` the most expanded rows one unique row has."""
+    the call's received expanded rows and `weights` their combine weights (fp32, no gradient)."""
 
     lo: int
     hi: int
@@ -103,23 +102,6 @@ class Unique:
     expand: torch.Tensor
     rows: torch.Tensor
     weights: torch.Tensor
-    copies: int
-
-    def reduce_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot_UK, kept_UK): row j of unique row u's expanded copies (in expert order), and
-        which of the `copies` columns hold one: what sums them per unique row (rowmap.py)."""
-        U, K = sum(self.recv_splits), self.copies
-        order = torch.argsort(self.expand, stable=True)
-        owner = self.expand[order]
-        counts = torch.zeros(U, dtype=torch.long, device=order.device)
-        counts.scatter_add_(0, self.expand, torch.ones_like(self.expand))  # no device sync
-        first = torch.cumsum(counts, 0) - counts
-        col = torch.arange(order.numel(), device=order.device) - first[owner]
-        slot_UK = torch.zeros((U, K), dtype=torch.long, device=order.device)
-        kept_UK = torch.zeros((U, K), dtype=torch.bool, device=order.device)
-        slot_UK[owner, col] = order
-        kept_UK[owner, col] = True
-        return slot_UK, kept_UK
 
 
 @dataclass(frozen=True)

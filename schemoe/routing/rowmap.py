@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_sum", "scatter_rows", "sum_rows"]
+__all__ = ["gather_sum", "scatter_rows"]
 
 
 def _gather(rows_NM, slot_TK, w_TK, kept_TK, acc, gw_TK=None, other_TM=None, sum_=True):
@@ -126,16 +126,3 @@ def gather_sum(
     fp32 in choice order. Differentiable in rows and w_TK (fp32). Arguments as `scatter_rows`'s;
     choice_N and filled_N serve the backward (the adjoint scatter)."""
     return _Gather.apply(rows_NM, w_TK, slot_TK, kept_TK, choice_N, filled_N)
-
-
-def sum_rows(
-    rows_NM: torch.Tensor,
-    slot_TK: torch.Tensor,
-    kept_TK: torch.Tensor | None,
-    w_TK: torch.Tensor | None = None,
-    acc: torch.dtype | None = None,
-) -> torch.Tensor:
-    """y [T, M] in `acc` (default rows' dtype): y[t] = sum_j w[t, j] rows[slot[t, j]] over kept
-    columns, left to right (w None: 1); not differentiable. Token deduplication sums a unique
-    row's copies with it (the experts' outputs weighted, in fp32; the input gradients)."""
-    return _gather(rows_NM, slot_TK, w_TK, kept_TK, acc or rows_NM.dtype)
