@@ -97,6 +97,17 @@ def test_dedup_with_shared_experts_on_two_ranks(ranks):
     assert all(ranks(2).run(_against_reference_and_plain, cases, "naive", None, True))
 
 
+def _empty_rank(rank, world):
+    # A rank with no tokens sends and receives nothing of its own, and still takes part.
+    check_against_reference(dedup_config("schemoe", 2, 16, 6), [0, 13], seed=5)
+    check_against_reference(dedup_config("fastermoe", 2, 8, 2), [11, 0], seed=6)
+    return True
+
+
+def test_dedup_with_a_rank_that_routes_no_tokens(ranks):
+    assert all(ranks(2).run(_empty_rank))
+
+
 def _compressed(rank, world):
     # fp16 on the wire rounds the payloads: reference-close within fp16 rounding.
     cfg = dedup_config("schemoe", 2, 16, 6, compression="fp16")

@@ -21,6 +21,9 @@ Partitions:
               padding); the receiver knows the sizes from the exchanged counts.
     peers     chunk i exchanges whole experts with the ranks at offsets o in [P*i//r, P*(i+1)//r):
               it sends to rank+o and receives from rank-o (FasterMoE's peer-group pipelining).
+
+With token deduplication a chunk also carries a `Unique` plan (built by the dispatcher from
+routing/dedup.py's index math): the unique rows its transfers move instead of the expanded ones.
 """
 
 from __future__ import annotations
