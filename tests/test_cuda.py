@@ -7,11 +7,16 @@
 - the NCCL issue path (calling thread, side stream, events) with CUDA tensors, the backend name
   patched so gloo carries the bytes;
 - a capacity-mode call with uniform tokens under torch.cuda.set_sync_debug_mode("error");
+- token deduplication on one GPU and on two gloo ranks with CUDA tensors against the reference,
+  and its one host sync per call (the counts read);
 - on two or more GPUs (NCCL), a CUDA-event trace in which an all-to-all kernel overlaps an
   expert kernel (skipped on one GPU: NCCL cannot put two ranks on one device).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -131,6 +136,43 @@ def test_a_capacity_mode_call_with_uniform_tokens_makes_no_host_sync_on_cuda(pol
     x = torch.randn(32, 16, device="cuda", requires_grad=True)
     layer(x)  # warm
     step_without_host_sync(layer, x)
+
+
+def _dedup(policy: str) -> MoEConfig:
+    c = cfg(policy, f=0.0)
+    return dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, dedup=True))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_token_deduplication_matches_the_reference_on_one_gpu(policy):
+    assert _on_gpu(_dedup(policy), 0, 1, torch.device("cuda"), 0.0)
+
+
+def _gloo_cuda_dedup(rank, world, policy):
+    return _on_gpu(_dedup(policy), rank, world, torch.device("cuda", 0), 0.0)
+
+
+@pytest.mark.parametrize("policy", ("sequential", "schemoe", "fastermoe"))
+def test_token_deduplication_on_two_gloo_ranks_with_cuda_tensors(ranks, policy):
+    assert all(ranks(2).run(_gloo_cuda_dedup, policy))
+
+
+def test_a_dedup_call_reads_the_device_once_on_cuda():
+    """Dropless with dedup: the counts read is the call's one host sync, forward and backward."""
+    layer = MoELayer(_dedup("schemoe")).cuda()
+    x = torch.randn(32, 16, device="cuda", requires_grad=True)
+    layer(x)[0].sum().backward()  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            y, aux = layer(x)
+            (y.sum() + aux).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
 def _trace_overlap(rank, world):
