@@ -84,8 +84,7 @@ class Dedup:
 
     def combine(self, out_UM: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """y [T, M]: each token's unique rows (its receivers' weighted sums) summed, fp32."""
-        T = self.layout.present_QT.numel() // self.layout.counts_Q.numel()
-        return decode_unique(out_UM, self.token_U, T, dtype)
+        return decode_unique(out_UM, self.token_U, self.layout.num_tokens, dtype)
 
     def exchange(self, data_N: torch.Tensor) -> torch.Tensor:
         """Per-row data of this rank's expanded rows to their receivers: [R, ...]."""
@@ -250,7 +249,7 @@ class TokenDispatcher:
             u = Unique(lo, hi, tuple(usend[i]), tuple(urecv[i]), expand, rows, w_R[rows])
             out.append(replace(ch, unique=u))
             lo = hi
-        call = replace(call, token_U=lay.tokens(lo))
+        call = replace(call, token_U=lay.token_of(lo))
         # 3. The unique rows themselves (differentiable in x).
         return encode_unique(x_TM, call.token_U), counts, recv_counts, tuple(out), call
 

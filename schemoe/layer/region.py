@@ -46,6 +46,12 @@ __all__ = [
 ]
 
 
+FREED = (
+    "this MoE region's backward already ran and freed its expert graphs; to run backward "
+    "through it again, pass retain_graph=True the first time"
+)
+
+
 @dataclass
 class Region:
     """Everything one layer call's scheduled region needs (built per call by MoELayer from its
@@ -153,7 +159,7 @@ class ChunkRunner:
         token's weighted sum g; and the weight's gradient <g, expert output> (fp32), kept for
         `weight_grads`."""
         if i not in self.r.saved:
-            raise RuntimeError("the expert outputs of this MoE region's forward are gone")
+            raise RuntimeError(FREED)
         y = self.r.saved[i][1].detach()
         self.weight_grad.append((u.rows, (g.float() * y.float()).sum(-1)))
         return (g.float() * u.weights[:, None]).to(g.dtype)
@@ -230,10 +236,7 @@ def expert_backward(
 
     def fn(i: int, gy: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         if i not in region.saved:
-            raise RuntimeError(
-                "this MoE region's backward already ran and freed its expert graphs; to "
-                "run backward through it again, pass retain_graph=True the first time"
-            )
+            raise RuntimeError(FREED)
         leaf, y = region.saved[i] if keep else region.saved.pop(i)
         grads = torch.autograd.grad(
             y, (leaf, *params), gy.to(y.dtype), allow_unused=True, retain_graph=keep

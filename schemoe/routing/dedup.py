@@ -65,9 +65,14 @@ class UniqueLayout:
     present_QT: torch.Tensor
     pos_QT: torch.Tensor
 
-    def tokens(self, rows: int) -> torch.Tensor:
+    @property
+    def num_tokens(self) -> int:
+        """T, the tokens routed."""
+        return self.present_QT.numel() // self.counts_Q.numel()
+
+    def token_of(self, rows: int) -> torch.Tensor:
         """token_U [U] (U = `rows`, read with the counts): the token each unique row holds."""
-        T = self.present_QT.numel() // self.counts_Q.numel()
+        T = self.num_tokens
         dest = torch.where(self.present_QT, self.pos_QT, rows)  # absent pairs: a spare row
         t = torch.arange(T, device=dest.device).repeat(self.counts_Q.numel())
         return t.new_zeros(rows + 1).scatter_(0, dest, t)[:rows]
