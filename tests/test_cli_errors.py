@@ -60,6 +60,12 @@ CASES = {
         "--compressor-option",
         "zfp.rate=abc",
     ),
+    "train dedup in capacity mode": (["train", "--dedup"], "--capacity-factor", "1.25"),
+    "train dedup with weights on the input": (
+        ["train", "--dedup", "--capacity-factor", "0", "--weights-on", "input"],
+        "--weights-on",
+        "input",
+    ),
     "train no steps": (["train", "--steps", "0"], "--steps", "0"),
     "train lr nan": (["train", "--lr", "nan"], "--lr", "nan"),
     "train no chunks": (["train", "--chunks", "0"], "--chunks", "0"),

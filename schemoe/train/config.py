@@ -74,14 +74,10 @@ INT_MIN = (("nproc", 1), ("steps", 1), ("batch", 1), ("grad_accum", 1), ("seq_le
            ("shortlist", 1), ("ranks_per_node", 1), ("save_every", 0), ("eval_every", 0),
            ("eval_seqs", 0), ("warmup", 0), ("stop_after", 0), ("log_every", 1), ("threads", 1),
            ("corpus_bytes", 10_000), ("shared_experts", 0), ("replan_every", 1))  # fmt: skip
-FLOAT_RANGE = (
-    ("lr", 0.0, math.inf, True),
-    ("min_lr_ratio", 0.0, 1.0, False),
-    ("weight_decay", 0.0, math.inf, False),
-    ("clip", 0.0, math.inf, False),
-    ("timeout", 0.0, 1e9, True),
-    ("replan_max_drop", 0.0, 0.99, False),
-)  # fmt: skip  (beyond ~30 years timedelta overflows)
+FLOAT_RANGE = (("lr", 0.0, math.inf, True), ("min_lr_ratio", 0.0, 1.0, False),
+               ("weight_decay", 0.0, math.inf, False), ("clip", 0.0, math.inf, False),
+               ("timeout", 0.0, 1e9, True),  # beyond ~30 years timedelta overflows
+               ("replan_max_drop", 0.0, 0.99, False))  # fmt: skip
 CHOICES = {"device": DEVICES, "dtype": DTYPES, "grad_sync": SYNCS,
            "grad_compressor": tuple(sorted(COMPRESS)), "grad_algorithm": tuple(GRAD_SYNCS.names())}  # fmt: skip
 # What --fsdp needs of other settings (what it cannot do yet): FSDP reduces the dense gradients
@@ -339,7 +335,12 @@ class TrainConfig:
                 raise spelled_with_flags(e, names, section) from None
         n = self.shared_experts
         shared = layer_config.SharedExpertConfig(num=n, hidden_dim=self.hidden_dim) if n else None
-        return layer_config.MoEConfig(**sections, shared=shared)
+        try:
+            return layer_config.MoEConfig(**sections, shared=shared)
+        except (ValueError, TypeError) as e:  # across sections (--dedup with --capacity-factor)
+            for section, (_, names) in MOE_FLAGS.items():
+                e = spelled_with_flags(e, names, section)
+            raise e from None
 
     def _compression(self) -> layer_config.CompressionConfig:
         """The compression section, after checking its options (every one names a compressor
