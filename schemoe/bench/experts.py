@@ -101,7 +101,7 @@ def validate(args: argparse.Namespace, world: int | None = None) -> None:
     """The expert flags together (ValueError naming the flag); `world` once it is known."""
     if not args.experts_impl:
         for flag in ("dense_bound", "dedup"):
-            if getattr(args, flag, False):
+            if getattr(args, flag):
                 raise ValueError(
                     f"--{flag.replace('_', '-')} times expert rows: add --experts-impl"
                 )
@@ -158,7 +158,7 @@ def candidates(args, env, x, g, step: Callable, dtype) -> tuple[dict, list[dict]
     if policy in ("auto", "search"):
         policy = "sequential"  # the expert rows run a fixed order
     args = argparse.Namespace(**{**vars(args), "policies": [policy]})
-    modes = [(0.0, False)] + ([(0.0, True)] if getattr(args, "dedup", False) else [])
+    modes = [(0.0, False)] + ([(0.0, True)] if args.dedup else [])
     modes += [(args.capacity_factor, False)] if args.capacity_factor > 0 else []
     cands, rows = {}, []
     for s in shapes(args):

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist.devices import control_tensor, control_zeros
+from ..dist.devices import comm_device, control_zeros
 from ..dist.topology import Topology
 from ..routing.dedup import UniqueLayout, decode_unique, encode_unique, receive, unique_layout
 from ..routing.layout import Chunk, Partition, Unique, build_plan, decode, encode
@@ -86,13 +86,17 @@ class Dedup:
         """y [T, M]: each token's unique rows (its receivers' weighted sums) summed, fp32."""
         return decode_unique(out_UM, self.token_U, self.layout.num_tokens, dtype)
 
-    def exchange(self, data_N: torch.Tensor) -> torch.Tensor:
-        """Per-row data of this rank's expanded rows to their receivers: [R, ...]."""
+    def exchange(self, data: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """Per-row data of this rank's expanded rows [N, ...] to their receivers ([R, ...]), or
+        with `back` the receivers' [R, ...] to the senders ([N, ...]): through the
+        communicator's device, returned on data's. Collective (none on one rank)."""
         if self.group is None:
-            return data_N
-        out = data_N.new_empty((sum(self.rows_from), *data_N.shape[1:]))
-        dist.all_to_all_single(out, data_N, list(self.rows_from), list(self.rows_to), self.group)
-        return out
+            return data
+        send = data.to(comm_device(self.group))
+        to, frm = (self.rows_from, self.rows_to) if back else (self.rows_to, self.rows_from)
+        out = send.new_empty((sum(frm), *send.shape[1:]))
+        dist.all_to_all_single(out, send, list(frm), list(to), self.group)
+        return out.to(data.device)
 
     def weight_grads(self, grads: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The gradient of `weights_N` from the receivers' (rows, gradient) pairs, one per chunk
@@ -100,14 +104,7 @@ class Dedup:
         g_R = self.weights_N.new_zeros(sum(self.rows_from))
         for rows, g in grads:
             g_R.index_copy_(0, rows, g.to(g_R.dtype))
-        device = g_R.device
-        send = control_zeros(g_R.shape, dtype=g_R.dtype, group=self.group)
-        send.copy_(g_R)
-        if self.group is None:
-            return send.to(device)
-        out = send.new_empty(sum(self.rows_to))
-        dist.all_to_all_single(out, send, list(self.rows_to), list(self.rows_from), self.group)
-        return out.to(device)
+        return self.exchange(g_R, back=True)
 
 
 class TokenDispatcher:
@@ -165,34 +162,37 @@ class TokenDispatcher:
         if counts is not None and self.uniform_tokens and not dropless:
             # Every rank's buffer has C rows per expert (C from the same T): no exchange.
             return lambda: (counts, ((counts[0],) * El,) * P)
-        if P == 1:
-
-            def read() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-                own = tuple(counts_E.tolist())  # host sync: the experts' group sizes, read once
-                return own, (own,)
-
-            return read
-        if counts is None:
-            # On the communicator's device: no copy where counts_E is there already (NCCL); with
-            # gloo and CUDA counts, a device-to-host copy, then the call's one device sync.
-            send = control_zeros(counts_E.shape, dtype=torch.long, group=self.group)
-            send.copy_(counts_E)
-        else:
-            send = control_tensor(counts, dtype=torch.long, group=self.group)
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        buffers = (send, recv)  # both held by `wait` until the exchange has completed
+        source = counts_E if counts is None else torch.tensor(counts, dtype=torch.long)
+        read = self._start_table(source.view(P, El))
 
         def wait() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-            work.wait()
-            # host sync: the splits must be known on the host. One read, of the received
-            # counts and, in dropless mode, this rank's own (sent) counts with them.
-            both = buffers[1] if counts is not None else torch.cat(buffers[::-1])
-            flat = both.tolist()
-            sent = counts if counts is not None else tuple(flat[P * El :])
-            return sent, tuple(tuple(flat[s * El : (s + 1) * El]) for s in range(P))
+            sent, got = read()
+            own = counts if counts is not None else tuple(c for row in sent for c in row)
+            return own, tuple(tuple(row) for row in got)
 
         return wait
+
+    def _start_table(self, table_PX: torch.Tensor):
+        """Start the all-to-all of a long [P, X] table on the counts communicator (row d to rank
+        d; none on one rank). Returns a function that waits for it and reads the sent and the
+        received table back, as lists of P rows, in the call's one host sync."""
+        # On the communicator's device: no copy where the table is there already (NCCL); with
+        # gloo and CUDA counts, a device-to-host copy, then the call's one device sync.
+        send = control_zeros(table_PX.shape, dtype=torch.long, group=self.group)
+        send.copy_(table_PX)
+        recv, work = send, None
+        if self.group is not None:
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+
+        def read() -> tuple[list[list[int]], list[list[int]]]:
+            if work is not None:
+                work.wait()
+            # host sync: the splits must be known on the host; one read of both tables.
+            sent, got = torch.stack([send, recv]).tolist()
+            return sent, got
+
+        return read
 
     def plan_chunks(self, exchange, device) -> tuple[tuple[int, ...], tuple, tuple[Chunk, ...]]:
         """Wait for the exchange `start_counts` began, read the split sizes (the call's one host
@@ -209,30 +209,24 @@ class TokenDispatcher:
         P, El, r, rank = self.topology.world, self.num_local, self.chunks, self.topology.rank
         # 1. Where each choice's row goes among the unique rows, on the device.
         lay = unique_layout(routing, P, rank, r, self.partition)
-        send_P = torch.cat([routing.counts_E.view(P, El), lay.counts_Q.view(r, P).t()], 1)
-        send = control_zeros(send_P.shape, dtype=torch.long, group=self.group)
-        send.copy_(send_P)
-        recv = send
-        if P > 1:
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
-        # host sync: the splits must be known on the host; one read of the sent and received
-        # [P, El + r] tables (expert rows, then unique rows per chunk, for each rank).
-        sent, got = torch.stack([send, recv]).tolist()
+        # 2. The counts exchange, each rank's row: its expert rows, then its unique rows per
+        # chunk, for that rank ([P, El + r]); the call's one host sync reads it.
+        table = torch.cat([routing.counts_E.view(P, El), lay.counts_Q.view(r, P).t()], 1)
+        sent, got = self._start_table(table)()
         counts = tuple(c for row in sent for c in row[:El])
         recv_counts = tuple(tuple(row[:El]) for row in got)
         usend = [[sent[d][El + i] for d in range(P)] for i in range(r)]
         urecv = [[got[s][El + i] for s in range(P)] for i in range(r)]
         device = x_TM.device
         plan = build_plan(counts, recv_counts, rank, r, self.partition, device)
-        # 2. Every expanded row's unique row (within its chunk and destination) and combine
+        # 3. Every expanded row's unique row (within its chunk and destination) and combine
         # weight, to the destination along the expanded rows' layout, as one float64 tensor
         # (exact for both); the sizes are known now: no host sync.
         T, k = routing.slot_TK.shape
         choice_N = torch.empty_like(routing.slot_TK.view(-1))
         choice_N[routing.slot_TK.view(-1)] = torch.arange(T * k, device=choice_N.device)
         w_N = routing.weight_TK.reshape(-1).index_select(0, choice_N)  # differentiable
-        pack = torch.stack([lay.uloc_N.double(), w_N.detach().double()], 1).to(send.device)
+        pack = torch.stack([lay.uloc_N.double(), w_N.detach().double()], 1)
         call = Dedup(
             lay,
             w_N,
@@ -240,7 +234,7 @@ class TokenDispatcher:
             tuple(sum(row) for row in recv_counts),
             self.group,
         )
-        got_R = call.exchange(pack).to(device)
+        got_R = call.exchange(pack)
         uloc_R, w_R = got_R[:, 0].long(), got_R[:, 1].float()
         lo, out = 0, []
         for i, ch in enumerate(plan):
@@ -250,7 +244,7 @@ class TokenDispatcher:
             out.append(replace(ch, unique=u))
             lo = hi
         call = replace(call, token_U=lay.token_of(lo))
-        # 3. The unique rows themselves (differentiable in x).
+        # 4. The unique rows themselves (differentiable in x).
         return encode_unique(x_TM, call.token_U), counts, recv_counts, tuple(out), call
 
     def dispatch(

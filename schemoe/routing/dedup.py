@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Partition, chunk_part
+from .layout import Partition, chunk_part, peer_ranks
 from .router import Routing
 
 __all__ = [
@@ -156,15 +156,14 @@ def receive(
     P, El = len(recv_counts), len(recv_counts[0])
     segs, shifts = [], []
     base, shift = 0, 0
-    lo_o, hi_o = chunk_part(P, chunk, chunks)
+    _, sources = peer_ranks(rank, P, chunk, chunks)
     for s in range(P):
-        peer = any((rank - o) % P == s for o in range(lo_o, hi_o))
         for el in range(El):
             n = recv_counts[s][el]
             if Partition(partition) == Partition.CAPACITY:
                 a, b = chunk_part(n, chunk, chunks)
             else:
-                a, b = (0, n) if peer else (0, 0)
+                a, b = (0, n) if s in sources else (0, 0)
             if b > a:
                 segs.append((base + a, b - a))
                 shifts.append(shift)

@@ -37,7 +37,16 @@ import torch
 from .router import Routing
 from .rowmap import gather_sum, scatter_rows
 
-__all__ = ["Chunk", "Partition", "Unique", "build_plan", "chunk_part", "decode", "encode"]
+__all__ = [
+    "Chunk",
+    "Partition",
+    "Unique",
+    "build_plan",
+    "chunk_part",
+    "decode",
+    "encode",
+    "peer_ranks",
+]
 
 
 class Partition(str, enum.Enum):
@@ -137,6 +146,14 @@ def chunk_part(n: int, i: int, r: int) -> tuple[int, int]:
     return n * i // r, n * (i + 1) // r
 
 
+def peer_ranks(rank: int, world: int, chunk: int, chunks: int) -> tuple[set[int], set[int]]:
+    """The peers partition's chunk `chunk`: the ranks this rank sends to (rank + o) and receives
+    from (rank - o), for the offsets o in [P i // r, P (i + 1) // r)."""
+    lo, hi = chunk_part(world, chunk, chunks)
+    offsets = range(lo, hi)
+    return {(rank + o) % world for o in offsets}, {(rank - o) % world for o in offsets}
+
+
 def build_plan(
     counts: Sequence[int],
     recv_counts: Sequence[Sequence[int]],
@@ -174,9 +191,7 @@ def build_plan(
                 [chunk_part(recv_counts[s][el], i, chunks) for el in range(El)] for s in range(P)
             ]
         else:
-            lo, hi = chunk_part(P, i, chunks)
-            to = {(rank + o) % P for o in range(lo, hi)}
-            frm = {(rank - o) % P for o in range(lo, hi)}
+            to, frm = peer_ranks(rank, P, i, chunks)
             send = [(0, counts[e]) if e // El in to else (0, 0) for e in range(E)]
             recv = [
                 [(0, recv_counts[s][el]) if s in frm else (0, 0) for el in range(El)]
