@@ -18,6 +18,8 @@ from schemoe.scheduling import (
     stack_task_costs,
     walk,
 )
+from schemoe.scheduling.stack import _chain as stack_chain
+from schemoe.scheduling.stack import stack_fifo_links
 
 
 def _regions(blocks: int, r: int, policy: str = "schemoe", direction: str = "forward"):
@@ -116,6 +118,40 @@ def test_wavefront_runs_the_next_micro_chunks_attention_before_waiting_on_a_disp
     sched = make_stack_schedule("wavefront", g, _regions(2, 1))
     steps = [(list(map(str, issued)), str(t)) for issued, t in walk(sched, g)]
     assert steps[2] == (["A1.0"], "b0.m1.AT")
+
+
+@pytest.mark.parametrize(
+    "direction,head,wait", [("forward", "b1.m0.AT", "b0.m1.D2.0"), ("backward", "PO", "b1.m1.D2.0")]
+)
+def test_wavefront_runs_a_ready_head_before_waiting_on_a_newer_micro_chunks_combine(
+    direction, head, wait
+):
+    g = StackGraph((1, 1), 2, direction=direction)
+    sched = make_stack_schedule("wavefront", g, _regions(2, 1, direction=direction))
+    compute = [str(t) for t in sched.order["compute"]]
+    assert compute.index(head) < compute.index(wait)
+
+
+def _newest_first(g, regions):
+    """The wavefront order before heads went first: each step newest micro-chunk first."""
+    chains = [stack_chain(g, regions, j) for j in range(g.micro)]
+    n, out = len(chains[0]), []
+    for step in range(n + g.micro - 1):
+        out += [
+            t for j in reversed(range(g.micro)) if 0 <= step - j < n for t in chains[j][step - j]
+        ]
+    return stack_fifo_links(g, out)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_heads_first_is_faster_under_the_simulator_when_attention_is_as_long_as_a_transfer(
+    direction,
+):
+    g = StackGraph((1, 1, 1), 2, direction=direction)
+    regions, c = _regions(3, 1, direction=direction), _costs(g, 3, 1, direction, at=0.01)
+    old = simulator.run(_newest_first(g, regions), g, c)[0]
+    new = simulator.run(make_stack_schedule("wavefront", g, regions), g, c)[0]
+    assert new < 0.97 * old
 
 
 def test_a_stack_schedule_that_waits_for_a_transfer_before_its_input_is_made_deadlocks():

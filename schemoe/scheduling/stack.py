@@ -21,10 +21,12 @@ Schedule; links run FIFO (`stack_fifo_links`):
     sequential  micro-chunk 0 through every block, then micro-chunk 1, ...: today's behaviour
     wavefront   each chain cut into segments at the points where it waits for a transfer
                 (AT + C1s | D1 E C2 ... | D2s + PO per block); step t runs segment t - j of
-                every micro-chunk j, newest micro-chunk first, so micro-chunk j+1's attention
-                runs while micro-chunk j's dispatch is on the wire, and block b+1's attention
-                of an earlier micro-chunk while a later one's combine is (Theorem 1's idea, one
-                level up)
+                every micro-chunk j: first a head (AT + C1s, which waits for no transfer),
+                then the others newest micro-chunk first (the order their transfers were
+                posted in the step before), so micro-chunk j+1's attention runs while
+                micro-chunk j's dispatch is on the wire, and block b+1's attention of an
+                earlier micro-chunk while a later one's combine is (Theorem 1's idea, one level
+                up)
     search      the best of sequential and wavefront lags under a cost model (the simulator)
 """
 
@@ -181,17 +183,17 @@ def sequential(graph: StackGraph, regions: Sequence[Sequence[Task]], costs=None)
 
 
 def wavefront_order(graph: StackGraph, regions: Sequence[Sequence[Task]], lag: int = 1):
-    """The wavefront compute order: at step t, segment (t - lag j) of micro-chunk j, newest
-    micro-chunk first (module docstring)."""
+    """The wavefront compute order: at step t, segment q = t - lag j of micro-chunk j; heads
+    (q % 3 == 0: AT + C1s) first, the rest newest micro-chunk first (module docstring)."""
     _check_regions(graph, regions)
     chains = [_chain(graph, regions, j) for j in range(graph.micro)]
     n = len(chains[0])
     compute = []
     for step in range(n + lag * (graph.micro - 1)):
-        for j in reversed(range(graph.micro)):
-            q = step - lag * j
-            if 0 <= q < n:
-                compute += chains[j][q]
+        qs = [(j, step - lag * j) for j in reversed(range(graph.micro))]
+        qs = sorted([(j, q) for j, q in qs if 0 <= q < n], key=lambda jq: jq[1] % 3 != 0)
+        for j, q in qs:
+            compute += chains[j][q]
     return compute
 
 
