@@ -8,10 +8,13 @@ measured twice in the same run. Their difference is this box's run-to-run noise 
 import glob
 import json
 import sys
+from pathlib import Path
 
 for folder in sys.argv[1:]:
     for path in sorted(glob.glob(f"{folder}/step_bound_*_2x?.txt")):
-        js = [json.loads(line) for line in open(path) if line.startswith("{")][-1]
+        js = [
+            json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith("{")
+        ][-1]
         rows = {
             (r["policy"], r["chunks"], r["micro_chunks"], r["grad_sync"], r["grad_compress"]): r
             for r in js["results"]
