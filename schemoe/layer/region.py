@@ -144,11 +144,10 @@ class ChunkRunner:
             self._encode(key, y)
         else:  # D2: back in this rank's buffer order
             z = self.comp.decode(self.recv.pop(key), self.dtype[key], self.cols)
-            if u is not None:
-                whole = u.lo == 0 and u.hi == self.rows
-                self.out = z if whole else self._out(z)
-                if not whole:
-                    self.out[u.lo : u.hi] = z
+            if u is not None and u.lo == 0 and u.hi == self.rows:  # the whole buffer
+                self.out = z
+            elif u is not None:
+                self._out(z)[u.lo : u.hi] = z
             elif ch.send_idx is None:
                 self.out = z
             else:

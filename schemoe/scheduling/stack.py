@@ -183,17 +183,20 @@ def sequential(graph: StackGraph, regions: Sequence[Sequence[Task]], costs=None)
 
 
 def wavefront_order(graph: StackGraph, regions: Sequence[Sequence[Task]], lag: int = 1):
-    """The wavefront compute order: at step t, segment q = t - lag j of micro-chunk j; heads
-    (q % 3 == 0: AT + C1s) first, the rest newest micro-chunk first (module docstring)."""
+    """The wavefront compute order: at step t, segment t - lag j of micro-chunk j; heads (the
+    segments that start with the block's head task) first, the rest newest micro-chunk first
+    (module docstring)."""
     _check_regions(graph, regions)
+    head = Kind.AT if graph.direction == Direction.FORWARD else Kind.PO
     chains = [_chain(graph, regions, j) for j in range(graph.micro)]
     n = len(chains[0])
     compute = []
     for step in range(n + lag * (graph.micro - 1)):
-        qs = [(j, step - lag * j) for j in reversed(range(graph.micro))]
-        qs = sorted([(j, q) for j, q in qs if 0 <= q < n], key=lambda jq: jq[1] % 3 != 0)
-        for j, q in qs:
-            compute += chains[j][q]
+        segs = [
+            chains[j][q] for j in reversed(range(graph.micro)) if 0 <= (q := step - lag * j) < n
+        ]
+        for seg in sorted(segs, key=lambda seg: seg[0].kind != head):
+            compute += seg
     return compute
 
 
