@@ -22,6 +22,7 @@ from schemoe.costmodel.step import (
     allreduce_time,
     block_forward,
     gradient_bytes,
+    predict_step,
 )
 from schemoe.scheduling import Direction, TaskGraph, make_schedule, simulator
 
@@ -35,9 +36,28 @@ def test_one_micro_chunk_in_sequence_costs_each_blocks_attention_then_its_region
     region = TaskGraph(2, cm.links, Direction.FORWARD)
     span = simulator.run(make_schedule("schemoe", region, cm), region, cm, record=False)[0]
     # Two stages: (dense block, MoE block's attention) then the same; no overlap at m = 1.
-    at = block_forward(hw, SHAPE, False) + block_forward(hw, SHAPE, True) + cm.outside() / 2
-    assert got.forward_s == pytest.approx(2 * (at + span + cm.outside() / 2))
+    # The layer's outside cost is a whole call's (forward and backward): a quarter in each of
+    # AT and PO, forward and backward.
+    at = block_forward(hw, SHAPE, False) + block_forward(hw, SHAPE, True) + cm.outside() / 4
+    assert got.forward_s == pytest.approx(2 * (at + span + cm.outside() / 4))
     assert {e.task for e in got.events} >= {"AT", "b1.m0.AT", "b1.m0.PO"}
+
+
+@pytest.mark.parametrize("policy, chunks", [("sequential", 1), ("schemoe", 4)])
+@pytest.mark.parametrize("grad_sync", ["ddp", "scheduled"])
+def test_with_free_links_one_micro_chunk_prices_what_the_plain_step_prices(
+    policy, chunks, grad_sync
+):
+    # Both models of one step: the stack of one micro-chunk and step.predict_step. With the
+    # network free their difference is only the executor's per-task cost of posting the
+    # gradient all-reduces; the layer's outside cost (router, layout, fixed cost per call) is
+    # charged once per layer by both (the stack once charged it 2.5 times: 1.17x here).
+    free = Link(alpha=0.0, beta=1e15)
+    hw = replace(preset("local"), intra=free, inter=free)
+    opts = {"grad_sync": grad_sync, "grad_compress": "bf16"}
+    plain = predict_step(hw, SHAPE, policy, "naive", chunks, **opts)
+    stack = predict_stack_step(hw, SHAPE, policy, "naive", chunks, micro=1, **opts)
+    assert stack.step_s == pytest.approx(plain.step_s, rel=0.005)
 
 
 def test_wavefront_hides_a_slow_links_all_to_alls_behind_other_micro_chunks_attention():

@@ -150,3 +150,31 @@ def test_simulate_step_prices_micro_chunks_with_the_stack_model(capsys):
     assert [r["predicted_ms"] for r in rows] == sorted(r["predicted_ms"] for r in rows)
     assert cli.main([*argv[:-1], "3"]) == 2  # 3 does not divide the batch
     assert "--micro-chunks 3 must be >= 1 and divide --batch 4" in capsys.readouterr().err
+
+
+def test_validate_makes_autos_step_choice_again_on_the_profile(tmp_path, capsys):
+    # bf16 buckets are predicted faster than fp32 ones on a 100 Mbit/s link; measured here as
+    # slower, auto's choice is 1.25x the best row. A windowed row (not priced) is no candidate.
+    prof = tmp_path / "p.json"
+    profiles.save(_hw(), str(prof))
+    row = {"policy": "schemoe", "chunks": 2, "grad_sync": "ddp", "micro_chunks": 1}
+    rows = [
+        {**row, "grad_compress": "none", "median_ms": 400.0},
+        {**row, "grad_compress": "bf16", "median_ms": 500.0},
+        {**row, "grad_sync": "scheduled", "grad_compress": "none", "grad_window": 2,
+         "median_ms": 300.0},
+    ]  # fmt: skip
+    bench = tmp_path / "step.txt"
+    bench.write_text(
+        "# schemoe bench step\n# config: dim=64 hidden=128 experts=4 top_k=2 layers=4 heads=4 "
+        "moe_every=2 f=1.25 seq_len=32 batch=4 algorithm=naive bucket_mb=1.0 "
+        "grad_algorithm=flat\n"
+        + json.dumps({"results": rows, "profile_key": profiles.key_of(_hw())})
+        + "\n"
+    )
+    assert cli.main(["validate", f"{bench}={prof}"]) == 0
+    text = capsys.readouterr().out.strip().splitlines()
+    (auto,) = json.loads(text[-1])["auto"]
+    assert auto["chosen"] == "schemoe/r2/ddp/bf16" and auto["best"] == "schemoe/r2/ddp/none"
+    assert auto["vs_best"] == pytest.approx(1.25)
+    assert any("1.250x the best row schemoe/r2/ddp/none" in line for line in text)

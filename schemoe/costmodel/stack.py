@@ -8,11 +8,13 @@ runtime (schemoe/stack.py) runs, simulated with the same rules as a region.
 Costs of one micro-chunk (B / m sequences, T / m tokens):
   * AT (a stage's pre): the dense blocks before its MoE block and that block's attention half
     (`step.block_forward`: attention 2 T M 3M + 2 T M M + 4 T L M FLOPs, norms and residuals as
-    memory traffic), plus half of the layer's `CostModel.outside` (router, layout; the other
-    half is decode, in PO); backward twice the compute;
+    memory traffic), backward twice that, plus a quarter of the layer's `CostModel.outside`
+    each way (outside is a whole call's router, layout and fixed cost, forward and backward:
+    a quarter in each of AT and PO, forward and backward, so a micro-chunk pays it once per
+    layer, as `step.predict_step` charges a layer call);
   * the region's tasks: `CostModel.task_costs` of the layer at T / m tokens (capacity per
     micro-chunk, as the runtime), under the layer policy's own order;
-  * PO: half of `outside`, plus any dense blocks after the last MoE block.
+  * PO: a quarter of `outside` each way, plus any dense blocks after the last MoE block.
   * with `grad_sync=True`, one gradient bucket per stage ("AR" tasks on the last link, after
     the stage's AT backward of every micro-chunk): its dense weights' all-reduce
     (`step.allreduce_time` of 4 bytes per weight x `grad_ratio`, by `grad_algorithm`), what the
@@ -139,9 +141,10 @@ def predict_stack(
     cm = CostModel(hw, part.layer(), algorithm, compute_scale=hw.compute_factor)
     partition = POLICIES.get(policy).partition
     dense = block_forward(hw, part, False)
-    at = [dense * len(b) + block_forward(hw, part, True) + cm.outside() / 2 for b in before]
-    po = [cm.outside() / 2] * len(before)
+    at = [dense * len(b) + block_forward(hw, part, True) for b in before]
+    po = [0.0] * len(before)
     po[-1] += dense * len(after)
+    quarter = cm.outside() / 4  # outside: a layer call's forward and backward, both halves
     groups, _ = early_groups(stage_gradient_bytes(shape), grad_group_bytes)
     out, events, t0 = {}, [], 0.0
     for direction in Direction:
@@ -154,8 +157,9 @@ def predict_stack(
         tc = cm.task_costs(region)
         ar = [allreduce_time(hw, n * grad_ratio, grad_algorithm) for _, n in sent]
         costs = stack_task_costs(
-            graph, [tc.durations] * len(before), at=[twice * a for a in at], po=po, ar=ar
-        )
+            graph, [tc.durations] * len(before), at=[twice * a + quarter for a in at],
+            po=[twice * p + quarter for p in po], ar=ar,
+        )  # fmt: skip
         costs = simulator.TaskCosts(costs, tc.overhead)
         sched = make_stack_schedule(stack_policy, graph, [order] * len(before), costs)
         span, ev = simulator.run(sched, graph, costs, origin=t0)

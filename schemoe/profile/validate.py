@@ -1,7 +1,9 @@
 """`schemoe validate BENCH.txt[=PROFILE.json] ... [--profile FILE] [--png F]`: every row of saved
 `schemoe bench layer` / `bench step` outputs predicted on the profile of the run's key, with the
 error per row and one JSON line {"configurations", "median_abs_error", "worst_abs_error",
-"points"}.
+"points"}; for a `bench step` output also auto's step choice made again on this profile
+(`--auto-step`'s rule: the plan of the smallest predicted step) and its measured time against
+the best row's ("auto").
 
 A bench output names its run's profile key ("profile_key" in its JSON line; older outputs: from
 world_size, ranks_per_node and link_rate_gbps, intra unshaped). A profile file without a record
@@ -15,6 +17,7 @@ import json
 import statistics
 
 from .. import config as c
+from ..bench.autostep import plan_of
 from ..bench.tables import config_line
 from ..costmodel import profiles
 from ..costmodel.model import A2A_MODELS
@@ -64,7 +67,7 @@ def _bench_rows(path: str) -> tuple[dict, list[dict]]:
 def run(args: argparse.Namespace) -> int:
     """Predict every row of saved bench outputs; print errors; optional predicted-vs-measured PNG."""
 
-    points = []
+    points, choices = [], []
     for spec in args.runs:
         bench, _, prof = spec.partition("=")
         cfg, rows = _bench_rows(bench)
@@ -78,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
             )
         if UNCALIBRATED in hw.notes:
             print(f"# {key}: a quick profile ({hw.notes}); `schemoe profile` fits a full one")
+        step_points = []  # (the row's plan or None, its point) of a bench step output
         for row in rows:
             if steps.is_step_row(row):
-                points.append(steps.point(cfg, row, hw))
+                step_points.append((plan_of(row), steps.point(cfg, row, hw)))
+                points.append(step_points[-1][1])
                 continue
             fwd, _, bwd = row["compressor"].partition("/")
             M, H = steps.dims(cfg)
@@ -108,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                     "error": round(err, 4),
                 }
             )
+        if choice := _auto(step_points):
+            choices.append({"run": bench, **choice})
     errs = sorted(abs(p["error"]) for p in points)
     if not errs:
         raise ValueError("no rows with a modelled algorithm in the given bench outputs")
@@ -119,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
             f"{p['measured_ms']:8.1f} ms, predicted {p['predicted_ms']:8.1f} ms "
             f"({p['error'] * 100:+.1f}%)"
         )
+    for a in choices:
+        print(
+            f"# auto step on this profile ({a['run']}): {a['chosen']}, measured "
+            f"{a['measured_ms']:.1f} ms, {a['vs_best']:.3f}x the best row {a['best']} "
+            f"({a['best_ms']:.1f} ms)"
+        )
     med, worst = statistics.median(errs), errs[-1]
     summary = {
         "configurations": len(points),
@@ -126,11 +139,32 @@ def run(args: argparse.Namespace) -> int:
         "worst_abs_error": round(worst, 4),
         "points": points,
     }
+    if choices:
+        summary["auto"] = choices
     if args.png:
         _scatter(points, args.png, f"median |error| {med * 100:.1f}%, worst {worst * 100:.1f}%")
         print(f"wrote {args.png}")
     print(json.dumps(summary))
     return 0
+
+
+def _auto(step_points: list) -> dict | None:
+    """`bench step --auto-step`'s decision re-made on this profile: the plan of the smallest
+    predicted step among the rows the model prices (`autostep.plan_of`), its measured median
+    against the fastest such row's. None for a bench layer output."""
+    cands = [(plan, p) for plan, p in step_points if plan is not None]
+    if not cands:
+        return None
+    chosen, p = min(cands, key=lambda c: c[1]["predicted_ms"])
+    best, b = min(cands, key=lambda c: c[1]["measured_ms"])
+    return {
+        "chosen": chosen.name,
+        "predicted_ms": p["predicted_ms"],
+        "measured_ms": p["measured_ms"],
+        "best": best.name,
+        "best_ms": b["measured_ms"],
+        "vs_best": round(p["measured_ms"] / b["measured_ms"], 4),
+    }
 
 
 def _scatter(points: list[dict], path: str, title: str) -> None:
