@@ -88,3 +88,39 @@ def test_early_flat_sync_matches_ddp(ranks):
     want = ranks(4).run(_grads, "ddp", "flat")
     _equal(got, want, exact=False)
     assert all(r[1][0] > 0 for r in got)
+
+
+def _hand_over_order(rank, world):
+    torch.manual_seed(0)
+    moe = MoEConfig(
+        gate=GateConfig(num_experts=4, top_k=2, capacity_factor=0.0),
+        experts=ExpertConfig(model_dim=16, hidden_dim=32),
+        schedule=ScheduleConfig(policy="schemoe", chunks=2),
+    )
+    core = GPT(GPTConfig(seq_len=8, layers=4, heads=2, micro_chunks=2), moe, seed=0)
+    names = {id(p): n for n, p in core.named_parameters()}
+    events = []
+    for m in core.modules():
+        if isinstance(m, MoELayer):
+            m.grad_ready = lambda ps, gs: events.extend(f"ready {names[id(p)]}" for p in ps)
+    # Block 0's attention backward starts when its output's gradient exists: a tensor hook.
+    def mark(mod, args, out):
+        out.register_hook(lambda g: events.append("attn0 backward"))
+
+    core.blocks[0].attn.register_forward_hook(mark)
+    logits, aux = core(torch.randint(0, 256, (4, 8)))
+    (logits.square().mean() + aux).backward()
+    return events
+
+
+def test_the_last_stage_hands_each_weight_over_as_soon_as_it_is_final(ranks):
+    """Block 1's attention weights are final once the last micro-chunk's AT backward has passed
+    them, before it reaches block 0's attention: they go to the sync then, not when the call
+    returns (the step's last compute); block 0's weights after their backward."""
+    for events in ranks(2).run(_hand_over_order):
+        last_attn0 = max(i for i, e in enumerate(events) if e == "attn0 backward")
+        assert events.count("attn0 backward") == 2  # one per micro-chunk
+        assert events.index("ready blocks.1.attn.qkv.weight") < last_attn0
+        assert events.index("ready blocks.0.attn.qkv.weight") > last_attn0
+        dense = {e for e in events if e.startswith("ready ")}
+        assert "ready blocks.3.attn.proj.weight" in dense and len(dense) == len(events) - 2

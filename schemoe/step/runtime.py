@@ -93,15 +93,11 @@ class StackCall:
             self.po_p.append(_unique(s.post.parameters()) if s.post is not None else [])
         self.params = _unique(p for ps in (*self.at_p, *self.e_p, *self.po_p) for p in ps)
         self.index = {id(p): n for n, p in enumerate(self.params)}
-        # Dense gradients go to the gradient sync (grad_ready) a block at a time, as soon as
-        # the block's are final in backward: a group per block, its pre and post parameters
-        # (each in the first block that has it), fixed whatever order the policy runs.
+        # Dense gradients go to the gradient sync (grad_ready) a weight at a time, as soon as
+        # each is final in backward (the sync gathers them into transfers of a bucket's size).
+        # On CPU a block's weights are handed over while its AT backward still runs (`_early`).
         self.grad_ready = next((s.moe.grad_ready for s in stages if s.moe.grad_ready), None)
-        self.group_of: dict[int, int] = {}
-        for b in range(len(stages)):
-            for p in (*self.at_p[b], *self.po_p[b]):
-                self.group_of.setdefault(self.index[id(p)], b)
-        self.groups = [[n for n, g in self.group_of.items() if g == b] for b in range(len(stages))]
+        self.dense = {self.index[id(p)] for ps in (*self.at_p, *self.po_p) for p in ps}
         self.rec: dict[tuple[int, int], dict] = {}  # (block, micro) -> tensors of the call
         self.freed = False  # a backward without retain_graph ran
         self.f_E: dict[int, torch.Tensor] = {}  # block -> its choices' fractions per expert
@@ -214,7 +210,6 @@ class StackCall:
         graph, sched = self.schedule(Direction.BACKWARD)
         # Weight gradients are summed in the sequential policy's backward order, whatever runs.
         order = self.schedule(Direction.BACKWARD, "sequential")[1].order["compute"]
-        self.left = [len(g) for g in self.groups]
         self.acc = OrderedSum(len(self.params), self._expected(order), self._final)
         execute(
             sched,
@@ -227,17 +222,35 @@ class StackCall:
         return g_x, self.acc.result(self.params)
 
     def _final(self, n: int) -> None:
-        """Parameter n's gradient is complete: hand its block's group on once all of it is."""
-        b = self.group_of.get(n)
-        if b is None or self.grad_ready is None:
-            return
-        self.left[b] -= 1
-        if self.left[b] == 0:
-            group = self.groups[b]
-            self.grad_ready(
-                [self.params[i] for i in group],
-                [self.acc.total(i, self.params[i]) for i in group],
-            )
+        """Parameter n's gradient is complete: hand a dense one to the gradient sync."""
+        if n in self.dense and self.grad_ready is not None:
+            self.grad_ready([self.params[n]], [self.acc.total(n, self.params[n])])
+
+    @contextmanager
+    def _early(self, t: Task, params: list[torch.Tensor]):
+        """While task t's autograd call runs, put each weight's gradient as autograd computes
+        it (a hook per weight), so the weights that become final early in a long AT backward
+        (a block's attention before the dense blocks below it) go to the sync before the call
+        returns: the last stage's backward is the step's last compute, and what it still holds
+        is all-reduced after it. Yields the indices put. CPU only: on CUDA a hook runs on
+        autograd's device thread, where no collective may start; there the call's weights are
+        put when it returns."""
+        done: set[int] = set()
+        hooks = []
+        if self.grad_ready is not None and all(p.device.type == "cpu" for p in params):
+            for p in params:
+                n = self.index[id(p)]
+
+                def put(g: torch.Tensor, n: int = n) -> None:
+                    done.add(n)
+                    self.acc.put(t, [n], [g])
+
+                hooks.append(p.register_hook(put))
+        try:
+            yield done
+        finally:
+            for h in hooks:
+                h.remove()
 
     def _owner(self, t: Task) -> list[torch.Tensor]:
         return {Kind.AT: self.at_p, Kind.E: self.e_p, Kind.PO: self.po_p}[t.kind][t.block]
@@ -293,10 +306,14 @@ class StackCall:
             g_P = self.f_E[b] * (gate.num_experts * (gate.aux_loss_weight * self.g_aux))
             outs.append((rec["balance"][1], g_P / self.m))
         outs = [(t, g) for t, g in outs if t.requires_grad and g is not None]
-        grads = _grad(
-            [t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs], self.keep
-        )
-        self._put(Task(Kind.AT, 0, 0, None, b, j), grads[1:])
+        task = Task(Kind.AT, 0, 0, None, b, j)
+        with self._early(task, self.at_p[b]) as done:
+            grads = _grad(
+                [t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs], self.keep
+            )
+        rest = [(self.index[id(p)], g) for p, g in zip(self.at_p[b], grads[1:])]
+        rest = [(n, g) for n, g in rest if n not in done]
+        self.acc.put(task, [n for n, _ in rest], [g for _, g in rest])
         g_in = grads[0] if grads[0] is not None else torch.zeros_like(rec["leaf"])
         if not self.keep:
             self.rec[(b, j)] = {"g_in": g_in}
