@@ -103,6 +103,7 @@ def _hand_over_order(rank, world):
     for m in core.modules():
         if isinstance(m, MoELayer):
             m.grad_ready = lambda ps, gs: events.extend(f"ready {names[id(p)]}" for p in ps)
+
     # Block 0's attention backward starts when its output's gradient exists: a tensor hook.
     def mark(mod, args, out):
         out.register_hook(lambda g: events.append("attn0 backward"))

@@ -18,7 +18,9 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
   * with `grad_sync=True`, one gradient bucket per stage ("AR" tasks on the last link, after
     the stage's AT backward of every micro-chunk): its dense weights' all-reduce
     (`step.allreduce_time` of 4 bytes per weight x `grad_ratio`, by `grad_algorithm`), what the
-    scheduled sync sends as soon as a block's gradients are final (gradsync.GradSync.ready),
+    scheduled sync sends as soon as a block's gradients are final (gradsync.GradSync.ready;
+    the runtime hands them over a weight at a time, so on CPU the last stage's first weights
+    leave during its AT backward: the model's tail is the whole stage's, an upper bound),
     stages together until `grad_group_bytes` (`early_groups`; 0: every stage alone);
     first-come first-served with the all-to-alls (its idle-time priority is not modelled).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices

@@ -13,8 +13,8 @@ The all-reduces run on their own communicator, never behind the all-to-alls in o
 
 A micro-chunk stack (schemoe/stack.py) is one autograd Function, so DDP sees its weights'
 gradients only when its whole backward returns. The sync does not wait for that: the stack hands
-each block's dense gradients over as soon as they are final (`ready`, via the layers'
-`grad_ready`), and they are all-reduced then, in the stack's idle network time, blocks together
+each dense weight's gradient over as soon as it is final (`ready`, via the layers'
+`grad_ready`), and they are all-reduced then, in the stack's idle network time, together
 until they fill one of DDP's buckets (the rest with DDP's first bucket). When DDP later
 calls the hook for a bucket, each parameter whose gradient is bit for bit what was sent early
 takes the early result; the others (a weight also used outside the stack, whose gradient grew
@@ -179,8 +179,8 @@ class GradSync:
         return out.div_(self.topology.world)
 
     def ready(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """A scheduled stack's block of dense gradients is final before its backward returns:
-        all-reduce it now, in the background. The bucket hook uses the result only where the
+        """Dense gradients of a scheduled stack, final before its backward returns: all-reduce
+        them now, in the background. The bucket hook uses the result only where the
         bucket's gradients are exactly what was sent (else it reduces the bucket as usual), so
         a parameter that gets more gradient after the stack costs bytes, never correctness."""
         if not self.ddp.require_backward_grad_sync:  # inside no_sync(): nothing is synced
@@ -189,7 +189,7 @@ class GradSync:
             if id(p) in self._managed:
                 # What autograd will leave in p.grad: the stack's sum added to what is there.
                 self._pending.append((p, (g if p.grad is None else p.grad + g).reshape(-1)))
-        # Blocks go out together until they fill a DDP bucket (each all-reduce pays its
+        # Weights go out together until they fill a DDP bucket (each all-reduce pays its
         # latency once); what is left goes with the first bucket DDP hands over.
         if sum(t.numel() * t.element_size() for _, t in self._pending) >= self.early_bytes:
             self.post_pending()

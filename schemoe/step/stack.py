@@ -36,14 +36,14 @@ Gradient buckets: the executor hands its in-flight count to the layers' Backgrou
 region does), so buckets queued before the stack's backward post into its idle network time.
 DDP marks a bucket ready when autograd accumulates its weights' gradients, which for weights
 inside the stack is when the stack's backward returns (they are outputs of one Function); so
-under a scheduled gradient sync the stack hands each block's dense gradients on as soon as they
-are final (the layers' `grad_ready`: one group per block, the same whatever the policy), and the
-sync all-reduces them in the stack's idle network time, before its backward returns
+under a scheduled gradient sync the stack hands each dense weight's gradient on as soon as it is
+final (the layers' `grad_ready`; on CPU from a hook inside the backward task that computes it),
+and the sync all-reduces them in the stack's idle network time, before its backward returns
 (gradsync.GradSync.ready).
 Not supported: double backward; layers whose policy is "auto"/"search" until a tuner has
 configured them (the tuner's hooks see MoELayer calls, which the stack does not make).
 
-The runtime (the per-call state, the task runner, the autograd Function) is stack_runtime.py.
+The runtime (the per-call state, the task runner, the autograd Function) is step/runtime.py.
 """
 
 from __future__ import annotations
