@@ -77,6 +77,19 @@ def test_predict_step_names_a_bad_setting(kw, match):
         predict_step(_hw(), SHAPE, **kw)
 
 
+def _bench_step_output(tmp_path, rows):
+    """A saved `schemoe bench step` output of `rows` at SHAPE, run under _hw()'s profile key."""
+    bench = tmp_path / "step.txt"
+    bench.write_text(
+        "# schemoe bench step\n# config: dim=64 hidden=128 experts=4 top_k=2 layers=4 heads=4 "
+        "moe_every=2 f=1.25 seq_len=32 batch=4 algorithm=naive bucket_mb=1.0 "
+        "grad_algorithm=flat\n"
+        + json.dumps({"results": rows, "profile_key": profiles.key_of(_hw())})
+        + "\n"
+    )
+    return bench
+
+
 def test_validate_reads_a_bench_step_output_and_predicts_each_row(tmp_path, capsys):
     prof = tmp_path / "p.json"
     profiles.save(_hw(), str(prof))
@@ -86,14 +99,7 @@ def test_validate_reads_a_bench_step_output_and_predicts_each_row(tmp_path, caps
         for s in ("ddp", "scheduled")
     ] + [{"policy": "deepspeed", "chunks": 1, "grad_sync": "ddp", "grad_compress": "none",
           "micro_chunks": 1, "median_ms": 600.0}]  # fmt: skip
-    bench = tmp_path / "step.txt"
-    bench.write_text(
-        "# schemoe bench step\n# config: dim=64 hidden=128 experts=4 top_k=2 layers=4 heads=4 "
-        "moe_every=2 f=1.25 seq_len=32 batch=4 algorithm=naive bucket_mb=1.0 "
-        "grad_algorithm=flat\n"
-        + json.dumps({"results": rows, "profile_key": profiles.key_of(_hw())})
-        + "\n"
-    )
+    bench = _bench_step_output(tmp_path, rows)
     assert cli.main(["validate", f"{bench}={prof}"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["configurations"] == 2  # the DeepSpeed row is not modelled
@@ -164,14 +170,7 @@ def test_validate_makes_autos_step_choice_again_on_the_profile(tmp_path, capsys)
         {**row, "grad_sync": "scheduled", "grad_compress": "none", "grad_window": 2,
          "median_ms": 300.0},
     ]  # fmt: skip
-    bench = tmp_path / "step.txt"
-    bench.write_text(
-        "# schemoe bench step\n# config: dim=64 hidden=128 experts=4 top_k=2 layers=4 heads=4 "
-        "moe_every=2 f=1.25 seq_len=32 batch=4 algorithm=naive bucket_mb=1.0 "
-        "grad_algorithm=flat\n"
-        + json.dumps({"results": rows, "profile_key": profiles.key_of(_hw())})
-        + "\n"
-    )
+    bench = _bench_step_output(tmp_path, rows)
     assert cli.main(["validate", f"{bench}={prof}"]) == 0
     text = capsys.readouterr().out.strip().splitlines()
     (auto,) = json.loads(text[-1])["auto"]
