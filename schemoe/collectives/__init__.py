@@ -1,7 +1,7 @@
 """All-to-all algorithms: a registry of plug-ins (see base.py for the protocol)."""
 
 from ..dist.topology import Topology, per_world
-from .base import ALGORITHMS, AllToAll, Done, Pending, check_splits
+from .base import ALGORITHMS, AllToAll, Done, Pending, Works, check_splits
 from .hier2d import Hier2D
 from .leader import Leader
 from .naive import Naive
@@ -18,6 +18,7 @@ __all__ = [
     "Pairwise",
     "Pending",
     "Pipe",
+    "Works",
     "build",
     "check_splits",
 ]

@@ -44,7 +44,7 @@ and select it with `MoEConfig(collective=CollectiveConfig(algorithm="mine"))`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -87,6 +87,24 @@ class Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+class Works:
+    """Pending result of async torch.distributed ops that all write into `out`."""
+
+    def __init__(self, works: Sequence[Any], out: torch.Tensor, keep: torch.Tensor) -> None:
+        self._works = list(works)
+        self._out = out
+        self._keep = keep  # the (possibly copied) input must outlive the ops reading it
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._out
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 # name -> class taking a Topology; built once per (algorithm, topology).

@@ -1,34 +1,18 @@
 """`naive`: one all_to_all_single over the whole group (what NCCL/gloo do by default).
 
 It runs on a communicator of its own (tag "naive"), never the default group, so its all-to-alls
-do not queue behind DDP's all-reduce on one communicator."""
+do not queue behind DDP's all-reduce on one communicator. On gloo the same exchange goes as
+point-to-point pairs, receives posted first (`_common.start_exchange` says why)."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..dist.topology import Topology
-from ._common import Algorithm, world_group
-from .base import ALGORITHMS, Done
+from ._common import Algorithm, start_exchange, world_group
+from .base import ALGORITHMS, Done, Works
 
-__all__ = ["Naive", "Work"]
-
-
-class Work:
-    """Pending result of an async torch.distributed call."""
-
-    def __init__(self, work, out: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        self._work = work
-        self._out = out
-        self._keep = keep  # the input must outlive the op reading it
-
-    def wait(self) -> torch.Tensor:
-        self._work.wait()
-        return self._out
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
+__all__ = ["Naive"]
 
 
 @ALGORITHMS.register("naive")
@@ -42,8 +26,7 @@ class Naive(Algorithm):
 
     def _start(
         self, x: torch.Tensor, send: list[int], recv: list[int], link: str | None, out: torch.Tensor
-    ) -> Done | Work:
+    ) -> Done | Works:
         if self.topo.world == 1:
             return Done(out.copy_(x))
-        work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
-        return Work(work, out, x)
+        return Works(start_exchange(x, send, recv, self.group, out), out, x)

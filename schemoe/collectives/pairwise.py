@@ -44,17 +44,18 @@ class Pairwise(Threaded):
         # ops whatever the splits, which NCCL needs for its first p2p call on a communicator.
         for step in range(1, world):
             dst, src = (rank + step) % world, (rank - step) % world
+            # The receive first (`_common.start_exchange` says why).
             ops = [
-                dist.P2POp(
-                    dist.isend,
-                    x.narrow(0, so[dst], send[dst]),
-                    self.topo.global_rank(dst),
-                    self.group,
-                ),
                 dist.P2POp(
                     dist.irecv,
                     out.narrow(0, ro[src], recv[src]),
                     self.topo.global_rank(src),
+                    self.group,
+                ),
+                dist.P2POp(
+                    dist.isend,
+                    x.narrow(0, so[dst], send[dst]),
+                    self.topo.global_rank(dst),
                     self.group,
                 ),
             ]

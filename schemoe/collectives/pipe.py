@@ -6,7 +6,7 @@ link and drives each link on its own communicator, so t = max(M*t1, (P - M)*t2).
 exactly naive's: every (source, destination) pair is moved once, by one of the two parts.
 
 Which communicators, and why:
-- intra: one group per node (tag "pipe.intra"), one `all_to_all_single` over the node's ranks.
+- intra: one group per node (tag "pipe.intra"), one all-to-all over the node's ranks.
   A node's ranks are contiguous (node-major layout), so the rows it sends to them are one slice
   of `x` and the rows it receives from them one slice of `out`: the op writes straight into the
   shared buffer, and it never waits on a rank of another node (a world-wide op with the remote
@@ -15,7 +15,9 @@ Which communicators, and why:
   the other nodes. The remote sources are not contiguous in `out` (they sit before and after
   this node's block), so a collective would need a staging buffer and a copy; point-to-point
   receives land in their slots of `out` directly. Empty pairs are still posted so every rank
-  posts the same ops (NCCL wants all ranks in a communicator's first batched p2p call).
+  posts the same ops (NCCL wants all ranks in a communicator's first batched p2p call), and
+  every receive is posted before any send (on gloo a send posted first moves the pair's two
+  directions one after the other: `_common.start_exchange`).
 
 Both parts are issued from the calling thread with async ops, so `start` never blocks, and there
 is no host sync. The scheduler may start the parts separately: `start(..., link="intra", out=buf)`
@@ -28,28 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..dist.topology import Topology
-from ._common import Algorithm, node_group, offsets, world_group
-from .base import ALGORITHMS, Done
+from ._common import Algorithm, node_group, offsets, start_exchange, world_group
+from .base import ALGORITHMS, Done, Works
 
-__all__ = ["Pipe", "Works"]
-
-
-class Works:
-    """Pending result of several async torch.distributed ops that all write into `out`."""
-
-    def __init__(self, works: list, out: torch.Tensor, keep: torch.Tensor) -> None:
-        self._works = works
-        self._out = out
-        self._keep = keep  # the (possibly copied) input must outlive the ops reading it
-
-    def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        self._works = []
-        return self._out
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
+__all__ = ["Pipe"]
 
 
 @ALGORITHMS.register("pipe")
@@ -86,24 +70,27 @@ class Pipe(Algorithm):
         if self.node_group is None:  # one rank per node: only its own rows stay local
             dst.copy_(src)
             return []
-        work = dist.all_to_all_single(
-            dst, src, recv[lo:hi], send[lo:hi], group=self.node_group, async_op=True
-        )
-        return [work]
+        return start_exchange(src, send[lo:hi], recv[lo:hi], self.node_group, dst)
 
     def _inter(self, x: torch.Tensor, send: list[int], recv: list[int], out: torch.Tensor):
         if self.world_group is None:  # one node: nothing crosses the network
             return []
         so, ro = offsets(send), offsets(recv)
-        ops = []
-        for peer in range(self.topo.world):
-            if self.topo.same_node(peer):
-                continue
-            g = self.topo.global_rank(peer)
-            ops.append(
-                dist.P2POp(dist.isend, x.narrow(0, so[peer], send[peer]), g, self.world_group)
+        peers = [p for p in range(self.topo.world) if not self.topo.same_node(p)]
+        # Every receive before any send (`_common.start_exchange` says why).
+        ops = [
+            dist.P2POp(
+                dist.irecv,
+                out.narrow(0, ro[p], recv[p]),
+                self.topo.global_rank(p),
+                self.world_group,
             )
-            ops.append(
-                dist.P2POp(dist.irecv, out.narrow(0, ro[peer], recv[peer]), g, self.world_group)
+            for p in peers
+        ]
+        ops += [
+            dist.P2POp(
+                dist.isend, x.narrow(0, so[p], send[p]), self.topo.global_rank(p), self.world_group
             )
+            for p in peers
+        ]
         return dist.batch_isend_irecv(ops)

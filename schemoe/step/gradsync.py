@@ -50,9 +50,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import trace
-from ..collectives import Done
+from ..collectives import Done, Works
 from ..collectives._common import CommThread
-from ..collectives.naive import Work
 from ..dist.topology import Topology
 from ..layer.moe import MoELayer
 from ..registry import Registry
@@ -72,7 +71,7 @@ class Flat:
         self.group = topology.subgroup(tuple(range(topology.world)), tag="gradsync")
 
     def start(self, t: torch.Tensor) -> Any:
-        return Work(dist.all_reduce(t, group=self.group, async_op=True), t)
+        return Works([dist.all_reduce(t, group=self.group, async_op=True)], t, t)
 
 
 @GRAD_SYNCS.register("hier")
