@@ -155,14 +155,12 @@ def start_exchange(
     x, me, size = x.contiguous(), dist.get_rank(group), dist.get_world_size(group)
     so, ro = offsets(send), offsets(recv)
     peers = [(me + step) % size for step in range(1, size)]
+    ranks = {p: p if group is None else dist.get_global_rank(group, p) for p in peers}
     works = [
-        dist.irecv(out.narrow(0, ro[p], recv[p]), dist.get_global_rank(group, p), group=group)
+        dist.irecv(out.narrow(0, ro[p], recv[p]), ranks[p], group=group)
         for p in peers[::-1]  # sources in the order their sends go out: me - 1, me - 2, ...
     ]
-    works += [
-        dist.isend(x.narrow(0, so[p], send[p]), dist.get_global_rank(group, p), group=group)
-        for p in peers
-    ]
+    works += [dist.isend(x.narrow(0, so[p], send[p]), ranks[p], group=group) for p in peers]
     out.narrow(0, ro[me], recv[me]).copy_(x.narrow(0, so[me], send[me]))
     return works
 
