@@ -145,11 +145,11 @@ def start_exchange(
     On gloo as point-to-point pairs, every receive posted before any send. gloo's alltoall
     posts each pair's send before its receive, and a send that finds no receive posted by its
     peer yet waits for the peer's notice; on a shaped link the two directions of a pair then
-    move one after the other, not at once. Measured on the testbed at 200 Mbit/s, ranks
-    arriving up to 30 ms apart, 1.3 MB per rank: 44 ms after the last arrival with gloo's
-    alltoall, 22.5 ms receives first (2 x 1 ranks; 51 vs 38-43 ms at 2 x 2;
-    tests/test_collectives_order.py). Peers pair their messages in posting order, so every
-    rank must start a group's exchanges in the same order: the rule collectives keep too."""
+    move one after the other, not at once. On the testbed at 200 Mbit/s, ranks arriving up to
+    30 ms apart, 1.3 MB per rank, from the last arrival: 44.0 ms with gloo's alltoall, 22.8 ms
+    receives first (2 x 1 ranks; 50.4-51.9 vs 38.8-43.2 ms at 2 x 2;
+    docs/results/recv_first_2026-12-07/a2a_order.txt). Peers pair their messages in posting
+    order, so every rank must start a group's exchanges in the same order (as collectives)."""
     if backend_name(group) != "gloo":
         return [dist.all_to_all_single(out, x, list(recv), list(send), group=group, async_op=True)]
     x, me, size = x.contiguous(), dist.get_rank(group), dist.get_world_size(group)
