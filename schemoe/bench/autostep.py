@@ -19,7 +19,7 @@ from ..profile.steps import shape_of
 from ..tuning.auto import TUNED
 from ..tuning.stepplan import decide
 
-__all__ = ["add_arguments", "annotate", "check_world", "plan_of", "validate"]
+__all__ = ["add_arguments", "against_best", "annotate", "check_world", "plan_of", "validate"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,22 +80,31 @@ def annotate(
     for row in rows:
         row["predicted_ms"] = predicted.get(plans.get(row["_n"]))
     measured = {row["_n"]: row["median_ms"] for row in rows if row["_n"] in plans}
-    best = min(measured, key=measured.get)
     chosen = choice.plan.name
-    ratio = measured[chosen] / measured[best]
+    vs = against_best(chosen, measured)
     summary = {
         "chosen": chosen,
         "plan": choice.plan.row(),
         "reason": choice.reason,
         "predicted_ms": choice.predicted_ms,
-        "measured_ms": measured[chosen],
-        "best": best,
-        "best_ms": measured[best],
-        "vs_best": round(ratio, 4),
+        **vs,
         "profile_key": key,
     }
     line = (
         f"# auto step (one plan for the step, profile {key!r}): {choice.reason}; measured "
-        f"{measured[chosen]:.1f} ms, {ratio:.3f}x the best row {best} ({measured[best]:.1f} ms)"
+        f"{vs['measured_ms']:.1f} ms, {vs['measured_ms'] / vs['best_ms']:.3f}x the best row "
+        f"{vs['best']} ({vs['best_ms']:.1f} ms)"
     )
     return summary, line
+
+
+def against_best(chosen: str, measured: dict[str, float]) -> dict:
+    """The chosen plan's measured median against the fastest plan's (the first on a tie), by
+    plan name: {"measured_ms", "best", "best_ms", "vs_best"}."""
+    best = min(measured, key=measured.get)
+    return {
+        "measured_ms": measured[chosen],
+        "best": best,
+        "best_ms": measured[best],
+        "vs_best": round(measured[chosen] / measured[best], 4),
+    }

@@ -17,7 +17,7 @@ import json
 import statistics
 
 from .. import config as c
-from ..bench.autostep import plan_of
+from ..bench.autostep import against_best, plan_of
 from ..bench.tables import config_line
 from ..costmodel import profiles
 from ..costmodel.model import A2A_MODELS
@@ -156,14 +156,11 @@ def _auto(step_points: list) -> dict | None:
     if not cands:
         return None
     chosen, p = min(cands, key=lambda c: c[1]["predicted_ms"])
-    best, b = min(cands, key=lambda c: c[1]["measured_ms"])
+    measured = {plan.name: point["measured_ms"] for plan, point in cands}
     return {
         "chosen": chosen.name,
         "predicted_ms": p["predicted_ms"],
-        "measured_ms": p["measured_ms"],
-        "best": best.name,
-        "best_ms": b["measured_ms"],
-        "vs_best": round(p["measured_ms"] / b["measured_ms"], 4),
+        **against_best(chosen.name, measured),
     }
 
 

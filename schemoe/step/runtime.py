@@ -263,8 +263,11 @@ class StackCall:
                     out[self.index[id(p)]].append(t)
         return out
 
-    def _put(self, t: Task, grads) -> None:
-        self.acc.put(t, [self.index[id(p)] for p in self._owner(t)], grads)
+    def _put(self, t: Task, grads, skip: set[int] = frozenset()) -> None:
+        """Put task t's gradients of its owner's weights, but those already put (`skip`)."""
+        pairs = [(self.index[id(p)], g) for p, g in zip(self._owner(t), grads)]
+        pairs = [(n, g) for n, g in pairs if n not in skip]
+        self.acc.put(t, [n for n, _ in pairs], [g for _, g in pairs])
 
     def _po_bwd(self, b: int, j: int) -> ChunkRunner:
         rec = self.rec[(b, j)]
@@ -311,9 +314,7 @@ class StackCall:
             grads = _grad(
                 [t for t, _ in outs], [rec["leaf"], *self.at_p[b]], [g for _, g in outs], self.keep
             )
-        rest = [(self.index[id(p)], g) for p, g in zip(self.at_p[b], grads[1:])]
-        rest = [(n, g) for n, g in rest if n not in done]
-        self.acc.put(task, [n for n, _ in rest], [g for _, g in rest])
+        self._put(task, grads[1:], skip=done)
         g_in = grads[0] if grads[0] is not None else torch.zeros_like(rec["leaf"])
         if not self.keep:
             self.rec[(b, j)] = {"g_in": g_in}
