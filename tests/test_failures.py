@@ -260,7 +260,9 @@ def _die_mid_transfer(rank: int, port: int, what: str, results) -> None:
         init_process_group("gloo", TIMEOUT)
         start = _transfer(what, Topology.from_group(None, 2))
         start(torch.ones(64, 8)).wait()  # connections and sub-groups up, every rank alive
-        big = torch.ones(4 * 2**18, 16)  # 64 MiB per rank: many ms on loopback
+        # 256 MiB per rank: a pair moves 64 MiB each way, tens of ms on loopback (at 64 MiB per
+        # rank a receives-first pair could finish in the 10 ms before the dying rank exits)
+        big = torch.ones(16 * 2**18, 16)
         t0 = time.monotonic()
         pending = start(big)
         if rank == DYING:
