@@ -15,6 +15,7 @@ from schemoe.dist.launch import spawn
 from schemoe.layer.parallel import ddp_ignore_experts, expert_parameters
 from schemoe.scheduling.background import Background
 from schemoe.step.gradsync import data_parallel
+from schemoe.step.stack import Stage, run_stack
 
 
 class _Fake:
@@ -102,35 +103,82 @@ class _Timed(Done):
         return super().wait()
 
 
-def test_a_region_posts_background_buckets_only_while_none_of_its_transfers_is_in_flight(plugin):
-    plugin(ALGORITHMS, "test_slow_a2a", _SlowLink)
-    cfg = MoEConfig(
+def _slow_config(chunks: int) -> MoEConfig:
+    return MoEConfig(
         gate=GateConfig(num_experts=4, top_k=2, capacity_factor=1.0),
         experts=ExpertConfig(model_dim=16, hidden_dim=64),
-        schedule=ScheduleConfig(policy="schemoe", chunks=4),
+        schedule=ScheduleConfig(policy="schemoe", chunks=chunks),
         collective=CollectiveConfig(algorithm="test_slow_a2a"),
     )
-    layer = MoELayer(cfg)
-    bg = layer.background = Background(window=1)
+
+
+def _queued_posts(bg: Background, n: int) -> list[float]:
+    """n background transfers of 1 ms queued while "an all-to-all" runs; when each was posted."""
     posts: list[float] = []
 
     def start():
         posts.append(time.perf_counter())
         return _Timed(torch.zeros(1), time.perf_counter() + 0.001)
 
-    bg.busy = 1  # queued while "an all-to-all" runs: the region's executor posts them
-    for _ in range(6):
+    bg.busy = 1  # queued while "an all-to-all" runs: the schedule's executor posts them
+    for _ in range(n):
         bg.submit(start, lambda r: None)
     bg.busy = 0
+    return posts
+
+
+def _posted_only_outside(bg, posts, n, spans, transfers) -> None:
+    assert len(posts) >= 2 and bg.busy == 0  # the schedule found idle time for some
+    bg.flush()
+    assert len(posts) == n and len(spans) == transfers
+    inside = [p for p in posts if any(a < p < b for a, b in spans)]
+    assert inside == []  # never while one of the schedule's transfers was on the wire
+
+
+def test_a_region_posts_background_buckets_only_while_none_of_its_transfers_is_in_flight(plugin):
+    plugin(ALGORITHMS, "test_slow_a2a", _SlowLink)
+    layer = MoELayer(_slow_config(chunks=4))
+    layer.algorithm.spans.clear()  # cached per group: it can hold an earlier test's spans
+    bg = layer.background = Background(window=1)
+    posts = _queued_posts(bg, 6)
     x = torch.randn(64, 16, requires_grad=True)
     y, aux = layer(x)
     (y.sum() + aux).backward()
-    assert len(posts) >= 2 and bg.busy == 0  # the region found idle time for some
-    bg.flush()
-    spans = layer.algorithm.spans
-    assert len(posts) == 6 and len(spans) == 16  # 4 chunks x 2 exchanges x 2 directions
-    inside = [p for p in posts if any(a < p < b for a, b in spans)]
-    assert inside == []  # never while one of the region's transfers was on the wire
+    # 4 chunks x 2 exchanges x 2 directions
+    _posted_only_outside(bg, posts, 6, layer.algorithm.spans, 16)
+
+
+class _Pre(nn.Module):
+    """A stack stage's pre: a linear map, handed to the MoE and kept as the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, h
+
+
+def test_a_stack_posts_background_buckets_only_while_none_of_its_transfers_is_in_flight(plugin):
+    """The stack takes its layers' queue, empty when the step starts (an empty Background is
+    falsy: the stack once took None, so its backward never posted a bucket into idle time and
+    the sync posted each at once, beside the stack's all-to-alls)."""
+    plugin(ALGORITHMS, "test_slow_a2a", _SlowLink)
+    torch.manual_seed(0)
+    stages = [Stage(_Pre(), MoELayer(_slow_config(chunks=2), seed=b)) for b in range(2)]
+    bg = Background(window=1)
+    for s in stages:
+        s.moe.background = bg
+    algorithms = {id(s.moe.algorithm): s.moe.algorithm for s in stages}.values()
+    for a in algorithms:  # cached per group: an instance can hold an earlier test's spans
+        a.spans.clear()
+    out, aux = run_stack(stages, torch.randn(4, 8, 16, requires_grad=True), 2)
+    posts = _queued_posts(bg, 6)  # queued during the step, as the stack's gradients are
+    (out.sum() + aux).backward()
+    spans = [sp for a in algorithms for sp in a.spans]
+    # 2 blocks x 2 micro-chunks x 2 chunks x 2 exchanges x 2 directions
+    _posted_only_outside(bg, posts, 6, spans, 32)
 
 
 # ------------------------------------------------------------------ against DDP, 4 ranks

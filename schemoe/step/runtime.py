@@ -81,7 +81,10 @@ class StackCall:
         self.links = links.pop()
         if any(s.moe.config.shared is not None for s in stages):  # no S task in a stack graph yet
             raise ValueError("a scheduled stack (micro_chunks > 1) cannot run shared experts yet")
-        self.background = next((s.moe.background for s in stages if s.moe.background), None)
+        # `is not None`: a Background with nothing queued has len 0, so it is falsy.
+        self.background = next(
+            (s.moe.background for s in stages if s.moe.background is not None), None
+        )
         # Parameters: AT differentiates pre + the layer's dense weights (gate), E the experts,
         # PO the post. One flat list (deduplicated) for the autograd Function.
         self.at_p, self.e_p, self.po_p = [], [], []
