@@ -22,7 +22,8 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
     the runtime hands them over a weight at a time, so on CPU the last stage's first weights
     leave during its AT backward: the model's tail is the whole stage's, an upper bound),
     stages together until `grad_group_bytes` (`early_groups`; 0: every stage alone);
-    first-come first-served with the all-to-alls (its idle-time priority is not modelled).
+    first-come first-served with the all-to-alls (the stack does not hold buckets back while
+    its all-to-alls are in flight, as a region does).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
 them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
 Python overhead per task (taken as the executor's per-task overhead), compute slowing down when

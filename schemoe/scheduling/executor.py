@@ -45,29 +45,34 @@ def execute(
     runner: TaskRunner,
     tracer=None,
     background: Background | None = None,
+    *,
+    yield_link: bool = True,
 ) -> None:
     """Execute every task of `graph` in the order `schedule` gives (checked beforehand), posting
     transfers under the issue rule (`walk`) and waiting on one only where a task consumes it.
 
-    `background`: low-priority transfers (gradient buckets) to post whenever none of this
-    schedule's transfers is in flight (scheduling/background.py)."""
+    `background`: low-priority transfers (gradient buckets), pumped between tasks
+    (scheduling/background.py); `yield_link`: posted only while none of this schedule's
+    transfers is in flight (True), or as soon as the queue's window has room, sharing the link
+    with them (False: what a micro-chunk stack does, step/runtime.py says why)."""
     inflight: dict[Task, Any] = {}
     started: dict[Task, float] = {}
+    counted = background if yield_link else None  # the Background whose `busy` we count in
 
     def land(t: Task) -> None:
         result = inflight.pop(t).wait()
         if tracer is not None:
             tracer.record(t, started[t], time.perf_counter())
         runner.finish(t, result)
-        if background is not None:
-            background.busy -= 1
+        if counted is not None:
+            counted.busy -= 1
 
     try:
         for issued, t in walk(schedule, graph):
             for a in issued:
                 started[a] = time.perf_counter()
-                if background is not None:
-                    background.busy += 1
+                if counted is not None:
+                    counted.busy += 1
                 inflight[a] = runner.start(a)
             if t is None:
                 break
@@ -87,6 +92,7 @@ def execute(
         for d in list(inflight):
             land(d)
     finally:
+        if counted is not None:
+            counted.busy -= len(inflight)
         if background is not None:
-            background.busy -= len(inflight)
             background.pump()

@@ -14,12 +14,13 @@ The all-reduces run on their own communicator, never behind the all-to-alls in o
 A micro-chunk stack (schemoe/stack.py) is one autograd Function, so DDP sees its weights'
 gradients only when its whole backward returns. The sync does not wait for that: the stack hands
 each dense weight's gradient over as soon as it is final (`ready`, via the layers'
-`grad_ready`), and they are all-reduced then, in the stack's idle network time, together
-until they fill one of DDP's buckets (the rest with DDP's first bucket). When DDP later
-calls the hook for a bucket, each parameter whose gradient is bit for bit what was sent early
-takes the early result; the others (a weight also used outside the stack, whose gradient grew
-afterwards) are all-reduced from the bucket as usual. `early_params` / `bucket_params` count
-both ways. Inside `no_sync()` nothing is sent early, as DDP sends nothing.
+`grad_ready`), and they are all-reduced then, sharing the link with the stack's all-to-alls
+(the stack does not hold them back), together until they fill one of DDP's buckets (the rest
+with DDP's first bucket). When DDP later calls the hook for a bucket, each parameter whose
+gradient is bit for bit what was sent early takes the early result; the others (a weight also
+used outside the stack, whose gradient grew afterwards) are all-reduced from the bucket as
+usual. `early_params` / `bucket_params` count both ways. Inside `no_sync()` nothing is sent
+early, as DDP sends nothing.
 
 Algorithms (GRAD_SYNCS, plug-ins): `flat`, one all-reduce over the world; `hier`, a reduce to
 each node's first rank, an all-reduce among those ranks (one flow per node crosses the network:

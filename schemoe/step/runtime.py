@@ -81,7 +81,11 @@ class StackCall:
         self.links = links.pop()
         if any(s.moe.config.shared is not None for s in stages):  # no S task in a stack graph yet
             raise ValueError("a scheduled stack (micro_chunks > 1) cannot run shared experts yet")
-        # `is not None`: a Background with nothing queued has len 0, so it is falsy.
+        # The gradient queue of the scheduled sync (`is not None`: an empty one is falsy). The
+        # stack pumps it between its tasks but does not hold buckets back while its own
+        # all-to-alls are in flight (`execute(yield_link=False)`): a bucket shares the link
+        # with them. Holding back, as a region does, measured 0-13% slower steps on the testbed
+        # at 2 x 1 ranks and the same at 2 x 2 (docs/results/stack_queue_2026-12-07/).
         self.background = next(
             (s.moe.background for s in stages if s.moe.background is not None), None
         )
@@ -125,6 +129,7 @@ class StackCall:
             _Tasks(Kind.AT, self._at, self._po),
             trace.active("forward"),
             self.background,
+            yield_link=False,
         )
         last = len(self.stages) - 1
         out = torch.cat([self.rec[(last, j)]["out"].detach() for j in range(self.m)])
@@ -220,6 +225,7 @@ class StackCall:
             _Tasks(Kind.PO, self._po_bwd, self._at_bwd),
             trace.active("backward"),
             self.background,
+            yield_link=False,
         )
         g_x = torch.cat([self.rec[(0, j)]["g_in"] for j in range(self.m)])
         return g_x, self.acc.result(self.params)

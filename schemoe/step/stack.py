@@ -32,14 +32,14 @@ attention and the expert FFNs see exactly the rows they see at m = 1; what chang
   * dropless outputs and gradients equal m = 1 up to the order of floating-point sums (weight
     gradients summed over micro-chunks, matmuls over fewer rows).
 
-Gradient buckets: the executor hands its in-flight count to the layers' Background queue (as the
-region does), so buckets queued before the stack's backward post into its idle network time.
+Gradient buckets: the stack pumps the layers' Background queue between its tasks but, unlike a
+region, does not hold a bucket back while its own all-to-alls are in flight: a bucket shares the
+link with them (holding back measured up to 13% slower steps: docs/results/stack_queue_2026-12-07/).
 DDP marks a bucket ready when autograd accumulates its weights' gradients, which for weights
 inside the stack is when the stack's backward returns (they are outputs of one Function); so
 under a scheduled gradient sync the stack hands each dense weight's gradient on as soon as it is
 final (the layers' `grad_ready`; on CPU from a hook inside the backward task that computes it),
-and the sync all-reduces them in the stack's idle network time, before its backward returns
-(gradsync.GradSync.ready).
+and the sync all-reduces them during it, before its backward returns (gradsync.GradSync.ready).
 Not supported: double backward; layers whose policy is "auto"/"search" until a tuner has
 configured them (the tuner's hooks see MoELayer calls, which the stack does not make).
 
