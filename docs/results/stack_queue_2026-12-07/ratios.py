@@ -8,4 +8,4 @@ for l in open(sys.argv[1]):
     if cur and len(v)>7 and v[0]=='schemoe':
         d[(cur[0],cur[2],v[1],cur[1])].append((cur[3],float(v[6])))
 for k in sorted(d):
-    x=dict(d[k]); print(k, 'before %.1f after %.1f ratio %.3f'%(x['before'],x['after'],x['after']/x['before']))
+    x=dict(d[k]); print('%s 2x%s r=%s round %s: before %.1f ms, after %.1f ms, after/before %.3f'%(*k,x['before'],x['after'],x['after']/x['before']))
