@@ -128,3 +128,23 @@ def test_costs_of_the_wrong_type_raise_type_error():
     g = TaskGraph(1)
     with pytest.raises(TypeError, match="CostModel"):
         simulator.run(make_schedule("sequential", g), g, 3.0)
+
+
+def test_compute_overlapped_with_a_transfer_runs_slower_by_the_overlap_factor():
+    # 3 s of work from t = 0 with a transfer on the link over [1, 2] and [1.5, 2.5]: 1 s free,
+    # then 1.5 s of overlapped time doing 0.75 s of work (factor 1 + 1), then 1.25 s free: 3.75.
+    assert simulator._finish(0.0, 3.0, [(1.5, 2.5), (1.0, 2.0)], 1.0) == pytest.approx(3.75)
+    assert simulator._finish(0.0, 3.0, [(1.0, 2.0)], 0.0) == 3.0
+    assert simulator._finish(2.0, 1.0, [(0.0, 1.0)], 1.0) == 3.0  # over before it starts
+    # A sequential schedule computes nothing while a transfer is in flight: no change. The
+    # schemoe order computes chunk i+1 under chunk i's transfers: slower, by at most
+    # overlap x every transfer's time.
+    g = TaskGraph(4)
+    costs = _uniform(g, c=1, a=0.5, d=2, e=3)
+    comm = sum(v for t, v in costs.items() if t.is_comm)
+    for policy, grows in (("sequential", False), ("schemoe", True)):
+        sched = make_schedule(policy, g)
+        base, _ = simulator.run(sched, g, TaskCosts(costs))
+        slow, _ = simulator.run(sched, g, TaskCosts(costs, overlap=0.5))
+        assert (slow > base) == grows
+        assert slow <= base + 0.5 * comm + 1e-9

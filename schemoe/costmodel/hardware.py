@@ -25,6 +25,9 @@ and FLOP:
                  host_ranks computing at once. host_cores = 0: every rank has its own device
     comm_cpu     the share of a core a CPU rank keeps busy while it communicates, waiting or
                  overlapped with its own compute (gloo's threads, the kernel's TCP stack)
+    overlap      how much longer compute takes while one of the rank's transfers is in flight
+                 (0.25: 1.25x; the simulator's `TaskCosts.overlap`), fitted on a layer step
+                 whose transfers overlap its compute. 0 for the presets
     link_rate_bps, intra_rate_bps, intra_link   the shaped rates (bit/s, None: unshaped) the
                  record was measured under (`links`), which its profile key names
 
@@ -128,6 +131,7 @@ class Hardware:
     host_cores: int = 0
     compute_factor: float = 1.0
     comm_cpu: float = 0.0
+    overlap: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -143,10 +147,10 @@ class Hardware:
                 f"{self.memory}, {self.stream}"
             )
         self.links  # noqa: B018  (validates the rates: ValueError naming a bad one)
-        if self.compute_factor <= 0 or not 0 <= self.comm_cpu <= 1:
+        if self.compute_factor <= 0 or not 0 <= self.comm_cpu <= 1 or self.overlap < 0:
             raise ValueError(
-                f"need compute_factor > 0 and 0 <= comm_cpu <= 1, got {self.compute_factor}, "
-                f"{self.comm_cpu}"
+                "need compute_factor > 0, 0 <= comm_cpu <= 1 and overlap >= 0, got "
+                f"{self.compute_factor}, {self.comm_cpu}, {self.overlap}"
             )
 
     @property

@@ -315,7 +315,8 @@ class CostModel:
         if key not in self._cache:
             k = self.compute_scale
             durations = {t: v if t.is_comm else v * k for t, v in self._durations(graph).items()}
-            self._cache[key] = TaskCosts(durations, self.hardware.task_overhead * k)
+            hw = self.hardware
+            self._cache[key] = TaskCosts(durations, hw.task_overhead * k, hw.overlap)
         return self._cache[key]
 
     def _durations(self, graph: TaskGraph) -> dict[Task, float]:

@@ -163,7 +163,7 @@ def predict_stack(
             graph, [tc.durations] * len(before), at=[twice * a + quarter for a in at],
             po=[twice * p + quarter for p in po], ar=ar,
         )  # fmt: skip
-        costs = simulator.TaskCosts(costs, tc.overhead)
+        costs = simulator.TaskCosts(costs, tc.overhead, tc.overlap)
         sched = make_stack_schedule(stack_policy, graph, [order] * len(before), costs)
         span, ev = simulator.run(sched, graph, costs, origin=t0)
         out[direction], t0 = span, t0 + span

@@ -12,16 +12,19 @@ issue rule (`tasks.walk`):
     posted transfer starts when the link is free (docs/costmodel.md: two plain gloo
     all-to-alls posted back to back finish at 1x and 2x one's time; the comm-thread algorithms
     run one job at a time by construction);
-  * a compute task waits for a transfer only when it consumes it.
+  * a compute task waits for a transfer only when it consumes it;
+  * compute overlapped with a transfer runs slower by `TaskCosts.overlap` (on CPU gloo's
+    threads and the kernel's TCP stack take cycles from the compute thread; NCCL kernels take
+    SMs on a GPU): a compute task's work proceeds at 1 / (1 + overlap) of its speed while any
+    of the rank's transfers is on a link.
 
 It returns `(makespan, events)`, the events being `schemoe.trace.Event`s, so `schemoe.trace.gantt`
 draws a simulated timeline exactly as it draws a recorded one.
 
 What it does not model:
-  * contention between links and compute: on CPU, gloo's threads and the kernel's TCP stack take
-    cycles from the compute thread (and NCCL kernels take SMs on a GPU); a link is assumed to move
-    bytes at its rate whatever the compute does. (CPU ranks sharing cores are handled outside,
-    by scaling compute durations: the cost model's `sharing_scale`, applied in its predictions);
+  * the other side of that contention: a link is assumed to move bytes at its rate whatever
+    the compute does. (CPU ranks sharing cores are handled outside, by scaling compute
+    durations: the cost model's `sharing_scale`, applied in its predictions);
   * other ranks: it follows one representative rank; a gloo collective completing only when the
     slowest rank reaches it (rank skew, uneven per-rank loads as in fastermoe's peer groups) is
     not simulated;
@@ -47,11 +50,14 @@ __all__ = ["TaskCosts", "run", "task_costs"]
 
 @dataclass(frozen=True)
 class TaskCosts:
-    """Seconds per task of one graph, and the executor's cost per task (on the compute thread,
-    for compute tasks and for posting each transfer)."""
+    """Seconds per task of one graph, the executor's cost per task (on the compute thread, for
+    compute tasks and for posting each transfer), and `overlap`: how much longer compute takes
+    while one of the rank's transfers is in flight (0.25: a second of compute takes 1.25 s of
+    overlapped time; gloo's threads and the kernel's TCP stack on the rank's cores)."""
 
     durations: Mapping[Task, float]
     overhead: float = 0.0
+    overlap: float = 0.0
 
 
 def task_costs(costs, graph: TaskGraph) -> TaskCosts:
@@ -92,6 +98,7 @@ def run(
     direction = direction or graph.direction
     free = {res: origin for res in schedule.order if res != COMPUTE}  # when each link is idle
     inflight: dict[Task, float] = {}  # transfer -> end time
+    busy: list[tuple[float, float]] = []  # the transfers' (start, end), for `overlap`
     events: list[Event] = []
     now = origin  # the compute thread's clock
 
@@ -101,6 +108,8 @@ def run(
             start = max(now, free[a.resource])
             free[a.resource] = end = start + dur[a]
             inflight[a] = end
+            if tc.overlap and end > start:
+                busy.append((start, end))
             if record:
                 events.append(Event(rank, str(direction), str(a), a.resource, start, end))
         if t is None:
@@ -108,8 +117,43 @@ def run(
         for d in graph.deps[t]:
             if d in inflight:  # wait only for what this task consumes
                 now = max(now, inflight.pop(d))
-        start, now = now, now + ovh + dur[t]
+        if busy:
+            busy = [(a, b) for a, b in busy if b > now]
+        start, now = now, _finish(now, ovh + dur[t], busy, tc.overlap)
         if record:
             events.append(Event(rank, str(direction), str(t), COMPUTE, start, now))
     end = max([now, *inflight.values()])
     return end - origin, events
+
+
+def _finish(start: float, work: float, busy: list[tuple[float, float]], overlap: float) -> float:
+    """When `work` seconds of compute started at `start` end, running at 1 / (1 + overlap) of
+    their speed while any interval of `busy` covers the clock."""
+    if not busy or overlap <= 0:
+        return start + work
+    now = start
+    for a, b in _union(busy):
+        if b <= now:
+            continue
+        if a > now:  # a free stretch first
+            if work <= a - now:
+                return now + work
+            work -= a - now
+            now = a
+        room = (b - now) / (1 + overlap)
+        if work <= room:
+            return now + work * (1 + overlap)
+        work -= room
+        now = b
+    return now + work
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The sorted union of intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

@@ -3,7 +3,8 @@
 `schemoe profile` (measure.py) fits links, GEMMs, copies and codecs from micro-benchmarks, then
 calls `calibrate` to time whole MoE layer steps (forward + backward) at the profiled shape, with
 every rank measuring at once, and solve the model for what those steps add: the fixed cost per
-step, the cost per task, the compute factor and, when CPU ranks share cores, `comm_cpu`.
+step, the cost per task, the compute factor, when CPU ranks share cores `comm_cpu`, and how much
+compute slows while a transfer overlaps it (`overlap`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from ..layer.moe import MoELayer
 
 __all__ = ["calibrate"]
 
+OVERLAP_R = 4  # chunks of the layer step `overlap` is fitted on
 
-def _layer(shape, ranks_per_node: int, r: int, group=None):
-    """One training step (forward + backward) of an MoE layer of `shape`, sequential at r chunks."""
+
+def _layer(shape, ranks_per_node: int, r: int, group=None, policy: str = "sequential"):
+    """One training step (forward + backward) of an MoE layer of `shape`, `policy` at r chunks."""
     gate = GateConfig(
         num_experts=shape.experts, top_k=shape.top_k, capacity_factor=shape.capacity_factor
     )
     experts = ExpertConfig(model_dim=shape.model_dim, hidden_dim=shape.hidden_dim)
-    schedule = ScheduleConfig(policy="sequential", chunks=r)
+    schedule = ScheduleConfig(policy=policy, chunks=r)
     parallel = ParallelConfig(ranks_per_node=ranks_per_node)
     cfg = MoEConfig(gate=gate, experts=experts, parallel=parallel, schedule=schedule)
     layer = MoELayer(cfg, group=group)
@@ -67,7 +70,10 @@ def calibrate(
       at most E / P), at r = 1 and r = 8:
       t_r = s (m_r + o n_r), with m_r the model's step and n_r its tasks (o >= 0);
     - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
-      step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores.
+      step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores;
+    - overlap: the layer at `shape` on all ranks under schemoe at r = 4 (chunk i+1's compute
+      under chunk i's transfers), solved so the model's step (the simulator's `overlap`)
+      matches it, in [0, 2]. 0 on one rank (no transfer).
 
     `timed(candidates, repeats)` -> median seconds per candidate (measure.timed).
     """
@@ -82,6 +88,7 @@ def calibrate(
     cands.update({("solo", r): _layer(local, 1, r, solo) for r in (1, 8)})
     if world > 1:
         cands["all"] = _layer(shape, topo.ranks_per_node, 1)
+        cands["overlap"] = _layer(shape, topo.ranks_per_node, OVERLAP_R, policy="schemoe")
     times = timed(cands, repeats)
     one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
     step = max(0.0, times["tiny"] - predict(one, tiny, "sequential").step_s)
@@ -104,4 +111,10 @@ def calibrate(
             return predict(replace(hw, comm_cpu=w), shape, "sequential").step_s
 
         hw = replace(hw, comm_cpu=_solve(seq, times["all"], 0.0, 1.0))
+    if "overlap" in times:
+
+        def overlapped(w):
+            return predict(replace(hw, overlap=w), shape, "schemoe", chunks=OVERLAP_R).step_s
+
+        hw = replace(hw, overlap=_solve(overlapped, times["overlap"], 0.0, 2.0))
     return hw
