@@ -26,8 +26,9 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
     its all-to-alls are in flight, as a region does).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
 them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
-Python overhead per task (taken as the executor's per-task overhead), compute slowing down when
-several micro-chunks' transfers run on gloo's threads.
+Python overhead per task (taken as the executor's per-task overhead), compute slowing down more
+when several micro-chunks' transfers are in flight at once than under one (`Hardware.overlap`
+is one factor for any number).
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ class StackCall:
         # The gradient queue of the scheduled sync (`is not None`: an empty one is falsy). The
         # stack pumps it between its tasks but does not hold buckets back while its own
         # all-to-alls are in flight (`execute(yield_link=False)`): a bucket shares the link
-        # with them. Holding back, as a region does, measured 0-13% slower steps on the testbed
-        # at 2 x 1 ranks and the same at 2 x 2 (docs/results/stack_queue_2026-12-07/).
+        # with them. Holding back, as a region does, measured 1.02-1.13x slower steps on the
+        # testbed at 2 x 1 ranks and 0.99-1.05x at 2 x 2 (docs/results/stack_queue_2026-12-07/).
         self.background = next(
             (s.moe.background for s in stages if s.moe.background is not None), None
         )
