@@ -6,7 +6,17 @@ import random
 
 import pytest
 
-from schemoe.scheduling import COMPUTE, TaskGraph, execute, make_schedule, simulator
+from schemoe.scheduling import (
+    COMPUTE,
+    StackGraph,
+    Task,
+    TaskGraph,
+    execute,
+    make_schedule,
+    make_stack_schedule,
+    simulator,
+    stack_task_costs,
+)
 from schemoe.scheduling.simulator import TaskCosts
 from schemoe.trace import gantt
 
@@ -148,3 +158,40 @@ def test_compute_overlapped_with_a_transfer_runs_slower_by_the_overlap_factor():
         slow, _ = simulator.run(sched, g, TaskCosts(costs, overlap=0.5))
         assert (slow > base) == grows
         assert slow <= base + 0.5 * comm + 1e-9
+
+
+def test_a_gradient_bucket_shares_the_link_with_an_all_to_all_instead_of_queueing_behind_it():
+    # One link: an all-to-all of 10 s posted at 0, a bucket of 20 s posted at 5. Alone for 5 s
+    # (5 s left), then both at half the rate: the all-to-all ends at 15. A second all-to-all of
+    # 4 s, posted at 6, waits for the first (FIFO among them), then shares: 15 to 23. The bucket
+    # has done 9 s of its 20 by then and ends at 34: the link was never idle, 34 s of work.
+    a, a2, ar = Task.parse("A1.0"), Task.parse("A1.1"), Task.parse("AR.0")
+    link = simulator._Link(0.0)
+    link.post(a, 10.0, False, 0.0)
+    link.post(ar, 20.0, True, 5.0)
+    link.post(a2, 4.0, False, 6.0)
+    spans = link.projected()
+    assert spans[a] == pytest.approx((0.0, 15.0))
+    assert spans[a2] == pytest.approx((15.0, 23.0))  # its 4 s at half the rate
+    assert spans[ar] == pytest.approx((5.0, 34.0))
+    # Posting later moves the clock: what finished before is kept, the rest re-projected.
+    link.post(Task.parse("AR.1"), 1.0, True, 40.0)
+    assert link.projected()[Task.parse("AR.1")] == pytest.approx((40.0, 41.0))
+    assert link.projected()[a] == pytest.approx((0.0, 15.0))
+
+
+def test_a_stack_backward_prices_its_buckets_beside_its_all_to_alls():
+    # Block 1's bucket goes once its AT backward is done, while block 0's all-to-alls run: the
+    # two overlap on the link (FIFO would start the dispatch only after the bucket).
+    g = StackGraph((1, 1), 1, direction="backward", buckets=(1,))
+    region = {t: (0.01 if t.is_comm else 0.002) for t in TaskGraph(1, direction="backward").tasks}
+    costs = stack_task_costs(g, [region] * 2, at=0.004, po=0.001, ar=0.05)
+    regions = [
+        list(make_schedule("sequential", TaskGraph(1, direction="backward")).order["compute"])
+    ] * 2
+    span, events = simulator.run(make_stack_schedule("sequential", g, regions), g, costs)
+    ev = {e.task: e for e in events}
+    bucket, dispatch = ev["AR.0"], ev["A1.0"]  # block 0, micro-chunk 0
+    assert bucket.start < dispatch.start < bucket.end  # in flight together
+    assert dispatch.end - dispatch.start == pytest.approx(0.02)  # at half the rate throughout
+    assert span == pytest.approx(max(e.end for e in events))

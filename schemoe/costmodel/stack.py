@@ -22,8 +22,9 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
     the runtime hands them over a weight at a time, so on CPU the last stage's first weights
     leave during its AT backward: the model's tail is the whole stage's, an upper bound),
     stages together until `grad_group_bytes` (`early_groups`; 0: every stage alone);
-    first-come first-served with the all-to-alls (the stack does not hold buckets back while
-    its all-to-alls are in flight, as a region does).
+    beside the all-to-alls, sharing the link's rate with them while both are in flight (the
+    stack does not hold buckets back while its all-to-alls are in flight, as a region does,
+    and buckets go on communicators of their own: the simulator's shared link).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
 them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
 Python overhead per task (taken as the executor's per-task overhead), compute slowing down more

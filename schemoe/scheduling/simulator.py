@@ -8,10 +8,15 @@ issue rule (`tasks.walk`):
     plus the executor's per-task overhead;
   * before each compute task the executor posts every transfer whose inputs exist and whose
     turn on its link has come (posting costs the per-task overhead on the compute thread);
-  * each link moves one transfer at a time, first-come first-served in the schedule's order: a
-    posted transfer starts when the link is free (docs/costmodel.md: two plain gloo
-    all-to-alls posted back to back finish at 1x and 2x one's time; the comm-thread algorithms
-    run one job at a time by construction);
+  * each link moves one all-to-all at a time, first-come first-served in the schedule's order:
+    a posted transfer starts when the ones before it are done (docs/costmodel.md: two plain
+    gloo all-to-alls posted back to back finish at 1x and 2x one's time; the comm-thread
+    algorithms run one job at a time by construction);
+  * gradient buckets (AR tasks, the stack's) queue the same way among themselves, but beside
+    the all-to-alls, not behind them: they go on communicators of their own (their own TCP
+    connections), so while both are in flight each moves at half the link's rate (processor
+    sharing between the two queues; the stack runtime posts buckets between its tasks without
+    holding them back, step/runtime.py);
   * a compute task waits for a transfer only when it consumes it;
   * compute overlapped with a transfer runs slower by `TaskCosts.overlap` (on CPU gloo's
     threads and the kernel's TCP stack take cycles from the compute thread; NCCL kernels take
@@ -29,8 +34,8 @@ What it does not model:
     slowest rank reaches it (rank skew, uneven per-rank loads as in fastermoe's peer groups) is
     not simulated;
   * the number of TCP flows on a shaped link (hier2d and leader use fewer, slower flows);
-  * bandwidth sharing between transfers in flight on one link: gloo point-to-point batches (the
-    inter part of `pipe`) posted back to back partly overlap instead of queueing strictly;
+  * bandwidth sharing between all-to-alls in flight on one link: gloo point-to-point batches
+    (the inter part of `pipe`) posted back to back partly overlap instead of queueing strictly;
   * transfers of different links sharing a NIC or PCIe switch (pipe's two links are independent);
   * jitter, TCP slow start, tbf's burst bucket;
   * the cost of `is_completed` polling and tracing; memory allocation; CUDA stream semantics
@@ -39,11 +44,12 @@ What it does not model:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..trace import Event
-from .tasks import COMPUTE, Schedule, Task, TaskGraph, walk
+from .tasks import COMPUTE, Kind, Schedule, Task, TaskGraph, walk
 
 __all__ = ["TaskCosts", "run", "task_costs"]
 
@@ -96,34 +102,92 @@ def run(
     tc = task_costs(costs, graph)
     dur, ovh = tc.durations, tc.overhead
     direction = direction or graph.direction
-    free = {res: origin for res in schedule.order if res != COMPUTE}  # when each link is idle
-    inflight: dict[Task, float] = {}  # transfer -> end time
-    busy: list[tuple[float, float]] = []  # the transfers' (start, end), for `overlap`
+    links = {res: _Link(origin) for res in schedule.order if res != COMPUTE}
+    spans: dict[Task, tuple[float, float]] = {}  # transfer -> (start, end), as projected
+    waiting: set[Task] = set()  # transfers posted, not yet waited for
+    posted: list[tuple[int, Task]] = []  # (index in events, transfer)
     events: list[Event] = []
     now = origin  # the compute thread's clock
+    stale = False  # posted since `spans` was projected
 
     for issued, t in walk(schedule, graph):
         for a in issued:
             now += ovh  # posting costs the compute thread
-            start = max(now, free[a.resource])
-            free[a.resource] = end = start + dur[a]
-            inflight[a] = end
-            if tc.overlap and end > start:
-                busy.append((start, end))
+            links[a.resource].post(a, dur[a], a.kind == Kind.AR, now)
+            waiting.add(a)
             if record:
-                events.append(Event(rank, str(direction), str(a), a.resource, start, end))
+                posted.append((len(events), a))
+                events.append(None)
+        stale = stale or bool(issued)
         if t is None:
             break
-        for d in graph.deps[t]:
-            if d in inflight:  # wait only for what this task consumes
-                now = max(now, inflight.pop(d))
-        if busy:
-            busy = [(a, b) for a, b in busy if b > now]
+        consumed = [d for d in graph.deps[t] if d in waiting]  # wait only for what t consumes
+        if stale and (consumed or tc.overlap):  # in flight: runs to its end, nothing more posted
+            spans, stale = _project(links), False
+        for d in consumed:
+            waiting.discard(d)
+            now = max(now, spans[d][1])
+        busy = [(a, b) for a, b in spans.values() if b > now and b > a] if tc.overlap else []
         start, now = now, _finish(now, ovh + dur[t], busy, tc.overlap)
         if record:
             events.append(Event(rank, str(direction), str(t), COMPUTE, start, now))
-    end = max([now, *inflight.values()])
+    spans = _project(links) if stale else spans
+    for n, a in posted:
+        events[n] = Event(rank, str(direction), str(a), a.resource, *spans[a])
+    end = max([now, *(spans[a][1] for a in waiting)])
     return end - origin, events
+
+
+def _project(links: Mapping[str, _Link]) -> dict[Task, tuple[float, float]]:
+    return {t: span for link in links.values() for t, span in link.projected().items()}
+
+
+class _Link:
+    """One link's transfers: all-to-alls first-come first-served, gradient buckets likewise in a
+    queue of their own, the two queues' heads sharing the link's rate equally while both are in
+    flight. `post` moves the link's clock to the posting time; `projected` is every transfer's
+    (start, end) posted so far, if nothing more is posted."""
+
+    def __init__(self, origin: float) -> None:
+        self.clock = origin
+        self.queues: tuple[deque, deque] = (deque(), deque())  # all-to-alls, buckets
+        self.done: dict[Task, tuple[float, float]] = {}
+
+    def post(self, task: Task, seconds: float, bucket: bool, now: float) -> None:
+        _drain(self.queues, self.clock, now, self.done)
+        self.clock = max(self.clock, now)
+        self.queues[bucket].append([task, seconds, None])
+
+    def projected(self) -> dict[Task, tuple[float, float]]:
+        out = dict(self.done)
+        _drain(tuple(deque(list(x) for x in q) for q in self.queues), self.clock, None, out)
+        return out
+
+
+def _drain(queues, clock: float, until: float | None, spans: dict) -> None:
+    """Run the queues' heads from `clock` (each head at 1 / (number of busy queues) of the
+    link's rate) until `until` (None: until every queue is empty), recording each finished
+    transfer's (start, end) in `spans`; the entries left keep their remaining seconds."""
+    while True:
+        heads = [q[0] for q in queues if q]
+        if not heads:
+            return
+        for h in heads:
+            if h[2] is None:
+                h[2] = clock
+        share = len(heads)
+        step = min(h[1] for h in heads) * share
+        if until is not None and clock + step > until:
+            for h in heads:
+                h[1] -= (until - clock) / share
+            return
+        clock += step
+        for q in queues:
+            if q:
+                q[0][1] -= step / share
+                if q[0][1] <= 1e-15:
+                    task, _, start = q.popleft()
+                    spans[task] = (start, clock)
 
 
 def _finish(start: float, work: float, busy: list[tuple[float, float]], overlap: float) -> float:
