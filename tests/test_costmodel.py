@@ -13,6 +13,7 @@ from schemoe.costmodel import hardware, model, prediction, profiles
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule, search, simulator
 from schemoe.tuning import choose as tune
+from schemoe.tuning.calibrate import fit_sharing
 from schemoe.tuning.plan import resolve
 
 
@@ -257,6 +258,30 @@ def test_cpu_ranks_sharing_cores_compute_faster_the_more_the_others_wait():
     shape = model.LayerShape(tokens=1024, model_dim=256, hidden_dim=1024, experts=4)
     fast = prediction.predict(shared, shape, "sequential")
     assert fast.step_s < prediction.predict(_hw(), shape, "sequential").step_s
+
+
+def test_skew_adds_to_every_transfer_and_the_profiler_recovers_it_with_comm_cpu():
+    shape = model.LayerShape(tokens=1024, model_dim=256, hidden_dim=1024, experts=4)
+    own = _hw()  # ranks on devices of their own: sequential exposes every transfer
+    for r in (1, 4):
+        graph = TaskGraph(r, model.CostModel(own, shape).links)
+        transfers = sum(1 for t in graph.tasks if t.is_comm) * 2  # forward and backward
+        base = prediction.predict(own, shape, "sequential", chunks=r).step_s
+        late = prediction.predict(_hw(skew=0.003), shape, "sequential", chunks=r).step_s
+        assert late - base == pytest.approx(0.003 * transfers)
+    with pytest.raises(ValueError, match="skew"):
+        _hw(skew=-0.001)
+    # CPU ranks sharing cores: comm_cpu and skew both slow a step, r = 4 has 4x the transfers;
+    # the two layer steps the profiler times give both back (calibrate.fit_sharing).
+    shared = _hw(host_ranks=4, host_cores=2)
+    true = dataclasses.replace(shared, comm_cpu=0.3, skew=0.004)
+    t1 = prediction.predict(true, shape, "sequential").step_s
+    t4 = prediction.predict(true, shape, "sequential", chunks=4).step_s
+    got = fit_sharing(shared, shape, t1, t4)
+    assert (got.comm_cpu, got.skew) == (
+        pytest.approx(0.3, abs=1e-4),
+        pytest.approx(0.004, abs=1e-6),
+    )
 
 
 def test_profile_on_two_spawned_ranks_caches_a_usable_record(tmp_path, capsys):

@@ -28,6 +28,10 @@ and FLOP:
     overlap      how much longer compute takes while one of the rank's transfers is in flight
                  (0.25: 1.25x; the simulator's `TaskCosts.overlap`), fitted on a layer step
                  whose transfers overlap its compute. 0 for the presets
+    skew         seconds each all-to-all of a step takes beyond its link time: the wait for
+                 the last rank to reach it (ranks drift apart between collectives; on CPU ranks
+                 sharing cores, the OS's time slices), fitted on layer steps at r = 1 and r = 4
+                 chunks. 0 for the presets
     link_rate_bps, intra_rate_bps, intra_link   the shaped rates (bit/s, None: unshaped) the
                  record was measured under (`links`), which its profile key names
 
@@ -132,6 +136,7 @@ class Hardware:
     compute_factor: float = 1.0
     comm_cpu: float = 0.0
     overlap: float = 0.0
+    skew: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -147,10 +152,15 @@ class Hardware:
                 f"{self.memory}, {self.stream}"
             )
         self.links  # noqa: B018  (validates the rates: ValueError naming a bad one)
-        if self.compute_factor <= 0 or not 0 <= self.comm_cpu <= 1 or self.overlap < 0:
+        if (
+            self.compute_factor <= 0
+            or not 0 <= self.comm_cpu <= 1
+            or self.overlap < 0
+            or self.skew < 0
+        ):
             raise ValueError(
-                "need compute_factor > 0, 0 <= comm_cpu <= 1 and overlap >= 0, got "
-                f"{self.compute_factor}, {self.comm_cpu}, {self.overlap}"
+                "need compute_factor > 0, 0 <= comm_cpu <= 1, overlap >= 0 and skew >= 0, got "
+                f"{self.compute_factor}, {self.comm_cpu}, {self.overlap}, {self.skew}"
             )
 
     @property

@@ -313,9 +313,11 @@ class CostModel:
     def task_costs(self, graph: TaskGraph) -> TaskCosts:
         key = (graph.chunks, graph.links, graph.direction, graph.partition, graph.shared)
         if key not in self._cache:
-            k = self.compute_scale
-            durations = {t: v if t.is_comm else v * k for t, v in self._durations(graph).items()}
-            hw = self.hardware
+            k, hw = self.compute_scale, self.hardware
+            durations = {  # a transfer: its link time and the wait for the last rank (skew)
+                t: (v + hw.skew if v > 0 else v) if t.is_comm else v * k
+                for t, v in self._durations(graph).items()
+            }
             self._cache[key] = TaskCosts(durations, hw.task_overhead * k, hw.overlap)
         return self._cache[key]
 

@@ -98,7 +98,8 @@ def _rank(rank: int, world: int, opts: dict) -> dict | None:
     print(
         f"layer: per task {hw.task_overhead * 1e6:.1f} us, per step {hw.step_overhead * 1e3:.2f} "
         f"ms, compute x{hw.compute_factor:.2f}, a communicating rank keeps {hw.comm_cpu:.2f} "
-        f"core busy, compute under a transfer x{1 + hw.overlap:.2f}"
+        f"core busy, an all-to-all waits {hw.skew * 1e3:.2f} ms for the last rank, compute "
+        f"under a transfer x{1 + hw.overlap:.2f}"
     )
     print(json.dumps({"key": key, "hardware": hw.to_json(), "points": pts}))
     return hw.to_json()

@@ -3,8 +3,9 @@
 `schemoe profile` (measure.py) fits links, GEMMs, copies and codecs from micro-benchmarks, then
 calls `calibrate` to time whole MoE layer steps (forward + backward) at the profiled shape, with
 every rank measuring at once, and solve the model for what those steps add: the fixed cost per
-step, the cost per task, the compute factor, when CPU ranks share cores `comm_cpu`, and how much
-compute slows while a transfer overlaps it (`overlap`).
+step, the cost per task, the compute factor, when CPU ranks share cores `comm_cpu`, what each
+all-to-all waits for the last rank (`skew`), and how much compute slows while a transfer
+overlaps it (`overlap`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from ..costmodel.model import LayerShape
 from ..costmodel.prediction import predict
 from ..layer.moe import MoELayer
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "fit_sharing"]
 
-OVERLAP_R = 4  # chunks of the layer step `overlap` is fitted on
+OVERLAP_R = 4  # chunks of the layer steps `skew` (sequential) and `overlap` (schemoe) use
+SKEW_MAX = 0.05  # seconds: the most `skew` is solved up to
 
 
 def _layer(shape, ranks_per_node: int, r: int, group=None, policy: str = "sequential"):
@@ -57,6 +59,31 @@ def _solve(f, target: float, lo: float, hi: float) -> float:
     return (lo + hi) / 2
 
 
+def _fit(hw: Hardware, shape, name: str, target: float, hi: float, policy: str, r: int):
+    """`hw` with field `name` in [0, hi] such that the model's layer step (`policy`, r chunks)
+    takes `target` seconds."""
+
+    def step(value):
+        return predict(replace(hw, **{name: value}), shape, policy, chunks=r).step_s
+
+    return replace(hw, **{name: _solve(step, target, 0.0, hi)})
+
+
+def fit_sharing(hw: Hardware, shape, t1: float, t4: float) -> Hardware:
+    """`hw` with `comm_cpu` (when CPU ranks share cores) and `skew` such that the model's
+    sequential layer step takes t1 seconds at r = 1 and t4 at r = OVERLAP_R: for each skew
+    tried, comm_cpu fitted on t1; skew solved on t4 (nested bisection)."""
+
+    def at(skew):
+        out = replace(hw, skew=skew)
+        return _fit(out, shape, "comm_cpu", t1, 1.0, "sequential", 1) if hw.host_cores else out
+
+    def step(skew):
+        return predict(at(skew), shape, "sequential", chunks=OVERLAP_R).step_s
+
+    return at(_solve(step, t4, 0.0, SKEW_MAX))
+
+
 def calibrate(
     hw: Hardware, topo, shape: LayerShape, repeats: int, timed: Callable[[dict, int], dict]
 ) -> Hardware:
@@ -69,8 +96,10 @@ def calibrate(
       such that each expert gets P C rows, the GEMMs a rank runs in the distributed step; top-k
       at most E / P), at r = 1 and r = 8:
       t_r = s (m_r + o n_r), with m_r the model's step and n_r its tasks (o >= 0);
-    - comm_cpu: the layer at `shape` on all ranks (sequential, r = 1), solved so the model's
-      step (`model.sharing_scale`) matches it. 0 unless CPU ranks share cores;
+    - comm_cpu and skew: the layer at `shape` on all ranks, sequential at r = 1 and at r = 4
+      (4x the all-to-alls, the same bytes and compute), solved together so the model's steps
+      match both (`model.sharing_scale`; skew in [0, SKEW_MAX] on each transfer). comm_cpu is 0
+      unless CPU ranks share cores;
     - overlap: the layer at `shape` on all ranks under schemoe at r = 4 (chunk i+1's compute
       under chunk i's transfers), solved so the model's step (the simulator's `overlap`)
       matches it, in [0, 2]. 0 on one rank (no transfer).
@@ -88,6 +117,7 @@ def calibrate(
     cands.update({("solo", r): _layer(local, 1, r, solo) for r in (1, 8)})
     if world > 1:
         cands["all"] = _layer(shape, topo.ranks_per_node, 1)
+        cands["skew"] = _layer(shape, topo.ranks_per_node, OVERLAP_R)
         cands["overlap"] = _layer(shape, topo.ranks_per_node, OVERLAP_R, policy="schemoe")
     times = timed(cands, repeats)
     one = replace(hw, nodes=1, ranks_per_node=1, task_overhead=0.0, step_overhead=0.0)
@@ -105,16 +135,8 @@ def calibrate(
     if q < 0 or s <= 0:  # more chunks cost less than the model says: no per-task cost
         s, q = (t1 * m1 + t8 * m8) / (m1 * m1 + m8 * m8), 0.0
     hw = replace(hw, step_overhead=step, task_overhead=q / s, compute_factor=s)
-    if "all" in times and hw.host_cores:
-
-        def seq(w):
-            return predict(replace(hw, comm_cpu=w), shape, "sequential").step_s
-
-        hw = replace(hw, comm_cpu=_solve(seq, times["all"], 0.0, 1.0))
+    if "all" in times:
+        hw = fit_sharing(hw, shape, times["all"], times["skew"])
     if "overlap" in times:
-
-        def overlapped(w):
-            return predict(replace(hw, overlap=w), shape, "schemoe", chunks=OVERLAP_R).step_s
-
-        hw = replace(hw, overlap=_solve(overlapped, times["overlap"], 0.0, 2.0))
+        hw = _fit(hw, shape, "overlap", times["overlap"], 2.0, "schemoe", OVERLAP_R)
     return hw

@@ -19,7 +19,7 @@ contends as it does in training; a sample's time is the slowest rank's, from
   5. real layer steps (`calibrate.py`): a tiny layer on a one-rank group gives the fixed cost per
      step (its time minus the model); the layer at the profiled shape on a one-rank group
      (compute only) at r = 1 and r = 8 gives `compute_factor` and the cost per task, and on
-     all ranks (sequential, r = 1) `comm_cpu` and (schemoe, r = 4) `overlap`. Left out with
+     all ranks (sequential, r = 1 and 4) `comm_cpu` and `skew`, (schemoe, r = 4) `overlap`. Left out with
      calibrated=False (the quick profile of the auto tuner, which times the real layer itself).
 
 quick=True: 3 repeats instead of 7, link sizes 256 KB, 1 MB, 4 MB, GEMMs at 16 and 64 rows
