@@ -1,0 +1,71 @@
+"""The step grids of this run and its run 2 re-priced with the profile as fitted and with
+skew = 0 (everything else the same profile), and the grids of the last two runs
+(step_bound_2026-12-07_overlap, _run2: profiles without skew, priced at the time with buckets
+queued behind the all-to-alls) re-priced by this commit's simulator (buckets share the link):
+each grid's median |error| of the simulated steps and auto's choice (the fastest predicted
+plan) measured against the best row.
+
+    python docs/results/step_bound_2026-12-07_skew/reprice.py > docs/results/step_bound_2026-12-07_skew/reprice.txt
+"""
+
+import glob
+import json
+from dataclasses import replace
+
+from schemoe.costmodel.hardware import Hardware
+from schemoe.costmodel.plans import StepPlan, predict_plan
+from schemoe.profile.steps import shape_of
+
+
+def rows_of(path):
+    """The grid's config and its rows (the reader of step_bound_2026-12-07_overlap/reprice.py)."""
+    cfg, rows, head = None, [], None
+    for line in open(path):
+        if line.startswith("# config:"):
+            cfg = dict(kv.split("=") for kv in line[len("# config:") :].split())
+        elif "median_ms" in line and line.split()[0] == "policy":
+            head = line.split()
+        elif head and line.strip() and line[0] not in "#{":
+            v = line.split()
+            if len(v) == len(head) and v[0] in ("sequential", "schemoe"):
+                rows.append(dict(zip(head, v)))
+    return cfg, rows
+
+
+def priced(hw, cfg, rows):
+    shape, out = shape_of(cfg), []
+    for r in rows:
+        plan = StepPlan(
+            r["policy"], int(r["chunks"]), int(r["micro_chunks"]), r["grad_sync"],
+            r["grad_compress"],
+        )  # fmt: skip
+        pred = predict_plan(
+            hw, shape, plan, algorithm=cfg["algorithm"], grad_algorithm=cfg["grad_algorithm"],
+            bucket_bytes=float(cfg["bucket_mb"]) * 2**20,
+        )  # fmt: skip
+        out.append((pred.step_s * 1e3, float(r["median_ms"]), plan.name))
+    errors = sorted(abs(p / m - 1) for p, m, _ in out)
+    best = min(m for _, m, _ in out)
+    chosen = min(out, key=lambda o: o[0])  # ties: the first row, as bench step's auto
+    return errors[len(errors) // 2], chosen[1] / best, chosen[2]
+
+
+def report(pattern, variants):
+    within = {name: 0 for name, _ in variants}
+    for path in sorted(glob.glob(pattern)):
+        cfg, rows = rows_of(path)
+        hw = Hardware.from_json(next(iter(json.load(open(path[:-4] + ".profile.json")).values())))
+        cells = []
+        for name, f in variants:
+            err, auto, plan = priced(f(hw), cfg, rows)
+            within[name] += auto <= 1.05
+            cells.append(f"{name}: median |error| {err:.1%}, auto {plan} / best {auto:.3f}")
+        where = "/".join(path.split("/")[-2:])
+        print(f"{where} (skew {hw.skew * 1e3:.2f} ms, overlap {hw.overlap:.2f}):\n  " + "\n  ".join(cells))
+    print("auto within 5% of the best row: " + ", ".join(f"{n} {k}" for n, k in within.items()))
+
+
+here = "docs/results/step_bound_2026-12-07_skew"
+report(f"{here}*/*_2x?.txt", [("fitted", lambda h: h), ("skew 0", lambda h: replace(h, skew=0.0))])
+print()
+report("docs/results/step_bound_2026-12-07_overlap*/*_2x?.txt", [("this simulator", lambda h: h)])
