@@ -195,3 +195,23 @@ def test_a_stack_backward_prices_its_buckets_beside_its_all_to_alls():
     assert bucket.start < dispatch.start < bucket.end  # in flight together
     assert dispatch.end - dispatch.start == pytest.approx(0.02)  # at half the rate throughout
     assert span == pytest.approx(max(e.end for e in events))
+
+
+def test_a_transfer_with_a_lead_is_posted_that_share_of_its_producer_before_the_producer_ends():
+    # Backward stack, one block: its bucket's weights come out of the AT backward (4 ms) evenly.
+    # Lead 0.5: the bucket is posted 2 ms before the AT ends; lead 0: at its end.
+    g = StackGraph((1,), 1, direction="backward", buckets=(0,))
+    region = {t: (0.01 if t.is_comm else 0.002) for t in TaskGraph(1, direction="backward").tasks}
+    durations = stack_task_costs(g, [region], at=0.004, po=0.001, ar=0.05)
+    regions = [
+        list(make_schedule("sequential", TaskGraph(1, direction="backward")).order["compute"])
+    ]
+    sched = make_stack_schedule("sequential", g, regions)
+    at_end = {}
+    for lead in (0.0, 0.5):
+        span, events = simulator.run(sched, g, TaskCosts(durations, lead={g.bucket(0): lead}))
+        ev = {e.task: e for e in events}
+        at_end[lead] = ev["AT"].end
+        assert ev["AR.0"].start == pytest.approx(ev["AT"].end - lead * 0.004)
+        assert span == pytest.approx(ev["AR.0"].end)
+    assert at_end[0.0] == at_end[0.5]

@@ -10,6 +10,7 @@ import pytest
 from schemoe.costmodel.hardware import Link, preset
 from schemoe.costmodel.model import CostModel
 from schemoe.costmodel.stack import (
+    _pieces,
     choose_micro,
     early_groups,
     predict_stack,
@@ -122,3 +123,15 @@ def test_choose_micro_picks_the_fastest_predicted_micro_chunk_count():
     assert preds[m].step_s == min(p.step_s for p in preds.values())
     # latency-bound (the local preset's 1.6 ms per all-to-all): cutting the batch does not pay
     assert choose_micro(preset("local"), SHAPE, "schemoe", "naive", 2)[0] == 1
+
+
+def test_a_stages_gradients_go_as_bucket_sized_pieces_the_first_ready_early_in_its_at_backward():
+    assert _pieces([(1, 4.0), (0, 1.0)], 2.0) == [(1, 2.0, 0.5), (1, 2.0, 0.0), (0, 1.0, 0.0)]
+    assert _pieces([(1, 4.0)], 0.0) == [(1, 4.0, 0.0)]  # no bucket size: the stage at once
+    # The network time is the transfers' own, not their spans stretched by sharing the link.
+    hw, shape = preset("local"), SHAPE
+    kw = {"micro": 2, "grad_ratio": 1.0}
+    bare = predict_stack(hw, shape, "schemoe", "naive", 1, **kw)
+    synced = predict_stack(hw, shape, "schemoe", "naive", 1, grad_sync=True, **kw)
+    buckets = sum(allreduce_time(hw, n) for n in stage_gradient_bytes(shape))
+    assert synced.network_s - bare.network_s == pytest.approx(buckets)

@@ -15,13 +15,14 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
   * the region's tasks: `CostModel.task_costs` of the layer at T / m tokens (capacity per
     micro-chunk, as the runtime), under the layer policy's own order;
   * PO: a quarter of `outside` each way, plus any dense blocks after the last MoE block.
-  * with `grad_sync=True`, one gradient bucket per stage ("AR" tasks on the last link, after
-    the stage's AT backward of every micro-chunk): its dense weights' all-reduce
-    (`step.allreduce_time` of 4 bytes per weight x `grad_ratio`, by `grad_algorithm`), what the
-    scheduled sync sends as soon as a block's gradients are final (gradsync.GradSync.ready;
-    the runtime hands them over a weight at a time, so on CPU the last stage's first weights
-    leave during its AT backward: the model's tail is the whole stage's, an upper bound),
-    stages together until `grad_group_bytes` (`early_groups`; 0: every stage alone);
+  * with `grad_sync=True`, each stage's dense weights' all-reduce (`step.allreduce_time` of 4
+    bytes per weight x `grad_ratio`, by `grad_algorithm`), stages together until
+    `grad_group_bytes` (`early_groups`; 0: every stage alone), as transfers of about
+    `grad_group_bytes` ("AR" tasks on the last link, after the stage's AT backward of every
+    micro-chunk): what the scheduled sync sends as soon as a block's gradients are final
+    (gradsync.GradSync.ready). The runtime hands them over a weight at a time, so piece i of n
+    is posted (n - 1 - i) / n of the last AT backward before its end (the simulator's `lead`:
+    the weights taken as final evenly through it);
     beside the all-to-alls, sharing the link's rate with them while both are in flight (the
     stack does not hold buckets back while its all-to-alls are in flight, as a region does,
     and buckets go on communicators of their own: the simulator's shared link).
@@ -76,6 +77,7 @@ class StackPrediction:
     forward_s: float
     backward_s: float
     events: list
+    network_s: float = 0.0  # its transfers back to back (all-to-alls and buckets)
 
     @property
     def step_s(self) -> float:
@@ -121,6 +123,17 @@ def early_groups(stage_bytes: list[float], group_bytes: float) -> tuple[list, fl
     return groups, acc
 
 
+def _pieces(groups: list, piece_bytes: float) -> list[tuple[int, float, float]]:
+    """Each group of `early_groups` as the sync sends it: transfers of about `piece_bytes`
+    (one when 0) as (stage, bytes, lead), the stage's weights final one after another during
+    its AT backward, so piece i of n is ready (n - 1 - i) / n of that task before its end."""
+    out = []
+    for b, nbytes in groups:
+        n = max(1, round(nbytes / piece_bytes)) if piece_bytes > 0 else 1
+        out += [(b, nbytes / n, (n - 1 - i) / n) for i in range(n)]
+    return out
+
+
 def predict_stack(
     hw: Hardware,
     shape: StepShape,
@@ -151,26 +164,29 @@ def predict_stack(
     po[-1] += dense * len(after)
     quarter = cm.outside() / 4  # outside: a layer call's forward and backward, both halves
     groups, _ = early_groups(stage_gradient_bytes(shape), grad_group_bytes)
-    out, events, t0 = {}, [], 0.0
+    out, events, t0, link = {}, [], 0.0, 0.0
     for direction in Direction:
         twice = 1.0 if direction == Direction.FORWARD else 2.0
         region = TaskGraph(chunks, cm.links, direction, partition)
         order = list(make_schedule(policy, region, cm).order["compute"])
         sent = groups if grad_sync and direction == Direction.BACKWARD else []
-        buckets = tuple(b for b, _ in sent)  # the last stage's first
+        pieces = _pieces(sent, grad_group_bytes)
+        buckets = tuple(b for b, _, _ in pieces)  # the last stage's first
         graph = StackGraph((chunks,) * len(before), micro, cm.links, direction, buckets)
         tc = cm.task_costs(region)
-        ar = [allreduce_time(hw, n * grad_ratio, grad_algorithm) for _, n in sent]
+        ar = [allreduce_time(hw, n * grad_ratio, grad_algorithm) for _, n, _ in pieces]
         costs = stack_task_costs(
             graph, [tc.durations] * len(before), at=[twice * a + quarter for a in at],
             po=[twice * p + quarter for p in po], ar=ar,
         )  # fmt: skip
-        costs = simulator.TaskCosts(costs, tc.overhead, tc.overlap)
+        lead = {graph.bucket(k): f for k, (_, _, f) in enumerate(pieces)}
+        costs = simulator.TaskCosts(costs, tc.overhead, tc.overlap, lead)
         sched = make_stack_schedule(stack_policy, graph, [order] * len(before), costs)
         span, ev = simulator.run(sched, graph, costs, origin=t0)
+        link += sum(costs.durations[t] for t in graph.tasks if t.is_comm)
         out[direction], t0 = span, t0 + span
         events += ev
-    return StackPrediction(out[Direction.FORWARD], out[Direction.BACKWARD], events)
+    return StackPrediction(out[Direction.FORWARD], out[Direction.BACKWARD], events, link)
 
 
 def choose_micro(
@@ -226,10 +242,9 @@ def predict_stack_step(
         for _, nbytes in _buckets([after], bucket_bytes)
     ]
     head = head_time(hw, shape)
-    link = sum(e.end - e.start for e in st.events if e.resource != "compute")
     return StepPrediction(
         forward_s=head + hw.step_overhead + st.forward_s,
         backward_s=2 * head + st.backward_s + sum(buckets),
         optimizer_s=optimizer_time(hw, shape),
-        network_s=link + sum(buckets),
+        network_s=st.network_s + sum(buckets),
     )

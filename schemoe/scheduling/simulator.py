@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..trace import Event
 from .tasks import COMPUTE, Kind, Schedule, Task, TaskGraph, walk
@@ -57,13 +57,17 @@ __all__ = ["TaskCosts", "run", "task_costs"]
 @dataclass(frozen=True)
 class TaskCosts:
     """Seconds per task of one graph, the executor's cost per task (on the compute thread, for
-    compute tasks and for posting each transfer), and `overlap`: how much longer compute takes
+    compute tasks and for posting each transfer), `overlap`: how much longer compute takes
     while one of the rank's transfers is in flight (0.25: a second of compute takes 1.25 s of
-    overlapped time; gloo's threads and the kernel's TCP stack on the rank's cores)."""
+    overlapped time; gloo's threads and the kernel's TCP stack on the rank's cores), and `lead`:
+    for a transfer whose data the compute task completing its inputs produces as it runs (a
+    gradient bucket of weights handed over one at a time), the share of that task's time before
+    its end at which the transfer is posted (0: at the end)."""
 
     durations: Mapping[Task, float]
     overhead: float = 0.0
     overlap: float = 0.0
+    lead: Mapping[Task, float] = field(default_factory=dict)
 
 
 def task_costs(costs, graph: TaskGraph) -> TaskCosts:
@@ -110,10 +114,14 @@ def run(
     now = origin  # the compute thread's clock
     stale = False  # posted since `spans` was projected
 
+    last = 0.0  # the last compute task's time (what a transfer's `lead` is a share of)
     for issued, t in walk(schedule, graph):
+        times = []
         for a in issued:
             now += ovh  # posting costs the compute thread
-            links[a.resource].post(a, dur[a], a.kind == Kind.AR, now)
+            times.append(now - tc.lead.get(a, 0.0) * last)
+        for at, a in sorted(zip(times, issued), key=lambda x: x[0]):  # stable: FIFO kept
+            links[a.resource].post(a, dur[a], a.kind == Kind.AR, at)
             waiting.add(a)
             if record:
                 posted.append((len(events), a))
@@ -129,6 +137,7 @@ def run(
             now = max(now, spans[d][1])
         busy = [(a, b) for a, b in spans.values() if b > now and b > a] if tc.overlap else []
         start, now = now, _finish(now, ovh + dur[t], busy, tc.overlap)
+        last = now - start
         if record:
             events.append(Event(rank, str(direction), str(t), COMPUTE, start, now))
     spans = _project(links) if stale else spans
@@ -154,8 +163,9 @@ class _Link:
         self.done: dict[Task, tuple[float, float]] = {}
 
     def post(self, task: Task, seconds: float, bucket: bool, now: float) -> None:
+        now = max(now, self.clock)  # never before what is already posted
         _drain(self.queues, self.clock, now, self.done)
-        self.clock = max(self.clock, now)
+        self.clock = now
         self.queues[bucket].append([task, seconds, None])
 
     def projected(self) -> dict[Task, tuple[float, float]]:
