@@ -1,7 +1,7 @@
 """The step grids of this run and its run 2 re-priced with the profile as fitted and with
 skew = 0 (everything else the same profile), and the grids of the last two runs
 (step_bound_2026-12-07_overlap, _run2: profiles without skew, priced at the time with buckets
-queued behind the all-to-alls) re-priced by this commit's simulator (buckets share the link):
+queued behind the all-to-alls) re-priced by the simulator of 99d4164 (buckets share the link; reprice.txt was made there):
 each grid's median |error| of the simulated steps and auto's choice (the fastest predicted
 plan) measured against the best row.
 
