@@ -46,12 +46,13 @@ def priced(hw, cfg, rows):
     return errors[len(errors) // 2], min(out)[1] / best
 
 
-here = sys.argv[1] if len(sys.argv) > 1 else "docs/results/step_bound_2026-12-07_overlap"
-for path in sorted(glob.glob(f"{here}*/*_2x?.txt")):
-    cfg, rows = rows_of(path)
-    hw = Hardware.from_json(next(iter(json.load(open(path[:-4] + ".profile.json")).values())))
-    cells = []
-    for name, rec in (("fitted", hw), ("overlap 0", replace(hw, overlap=0.0))):
-        err, auto = priced(rec, cfg, rows)
-        cells.append(f"{name}: median |error| {err:.1%}, auto / best {auto:.3f}")
-    print(f"{path.split('/')[-2]}/{path.split('/')[-1]} (overlap {hw.overlap:.2f}): " + "; ".join(cells))
+if __name__ == "__main__":
+    here = sys.argv[1] if len(sys.argv) > 1 else "docs/results/step_bound_2026-12-07_overlap"
+    for path in sorted(glob.glob(f"{here}*/*_2x?.txt")):
+        cfg, rows = rows_of(path)
+        hw = Hardware.from_json(next(iter(json.load(open(path[:-4] + ".profile.json")).values())))
+        cells = []
+        for name, rec in (("fitted", hw), ("overlap 0", replace(hw, overlap=0.0))):
+            err, auto = priced(rec, cfg, rows)
+            cells.append(f"{name}: median |error| {err:.1%}, auto / best {auto:.3f}")
+        print(f"{path.split('/')[-2]}/{path.split('/')[-1]} (overlap {hw.overlap:.2f}): " + "; ".join(cells))

@@ -1,5 +1,5 @@
-"""The step grids of this run and its run 2 re-priced with the profile as fitted and with
-skew = 0 (everything else the same profile), and the grids of the last two runs
+"""The step grids of this run (one run: its run 2 was stopped) re-priced with the profile as
+fitted and with skew = 0 (everything else the same profile), and the grids of the last two runs
 (step_bound_2026-12-07_overlap, _run2: profiles without skew, priced at the time with buckets
 queued behind the all-to-alls) re-priced by the simulator of 99d4164 (buckets share the link; reprice.txt was made there):
 each grid's median |error| of the simulated steps and auto's choice (the fastest predicted
@@ -10,26 +10,15 @@ plan) measured against the best row.
 
 import glob
 import json
+import sys
 from dataclasses import replace
 
 from schemoe.costmodel.hardware import Hardware
 from schemoe.costmodel.plans import StepPlan, predict_plan
 from schemoe.profile.steps import shape_of
 
-
-def rows_of(path):
-    """The grid's config and its rows (the reader of step_bound_2026-12-07_overlap/reprice.py)."""
-    cfg, rows, head = None, [], None
-    for line in open(path):
-        if line.startswith("# config:"):
-            cfg = dict(kv.split("=") for kv in line[len("# config:") :].split())
-        elif "median_ms" in line and line.split()[0] == "policy":
-            head = line.split()
-        elif head and line.strip() and line[0] not in "#{":
-            v = line.split()
-            if len(v) == len(head) and v[0] in ("sequential", "schemoe"):
-                rows.append(dict(zip(head, v)))
-    return cfg, rows
+sys.path.insert(0, "docs/results/step_bound_2026-12-07_overlap")
+from reprice import rows_of  # noqa: E402  (its grid reader; its main is guarded)
 
 
 def priced(hw, cfg, rows):
@@ -65,7 +54,8 @@ def report(pattern, variants):
     print("auto within 5% of the best row: " + ", ".join(f"{n} {k}" for n, k in within.items()))
 
 
-here = "docs/results/step_bound_2026-12-07_skew"
-report(f"{here}*/*_2x?.txt", [("fitted", lambda h: h), ("skew 0", lambda h: replace(h, skew=0.0))])
-print()
-report("docs/results/step_bound_2026-12-07_overlap*/*_2x?.txt", [("this simulator", lambda h: h)])
+if __name__ == "__main__":
+    here = "docs/results/step_bound_2026-12-07_skew"
+    report(f"{here}*/*_2x?.txt", [("fitted", lambda h: h), ("skew 0", lambda h: replace(h, skew=0.0))])
+    print()
+    report("docs/results/step_bound_2026-12-07_overlap*/*_2x?.txt", [("this simulator", lambda h: h)])
