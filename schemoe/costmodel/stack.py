@@ -22,10 +22,10 @@ Costs of one micro-chunk (B / m sequences, T / m tokens):
     micro-chunk): what the scheduled sync sends as soon as a block's gradients are final
     (gradsync.GradSync.ready). The runtime hands them over a weight at a time, so piece i of n
     is posted (n - 1 - i) / n of the last AT backward before its end (the simulator's `lead`:
-    the weights taken as final evenly through it);
-    beside the all-to-alls, sharing the link's rate with them while both are in flight (the
-    stack does not hold buckets back while its all-to-alls are in flight, as a region does,
-    and buckets go on communicators of their own: the simulator's shared link).
+    the weights taken as final evenly through it). The pieces go beside the all-to-alls,
+    sharing the link's rate with them while both are in flight: the stack does not hold
+    buckets back while its all-to-alls are in flight, as a region does, and buckets go on
+    communicators of their own (the simulator's shared link).
 The head, the embedding and the optimizer are outside the stack (`step.predict_step` prices
 them). Not modelled beyond the simulator's own list (scheduling/simulator.py): the stack's
 Python overhead per task (taken as the executor's per-task overhead), compute slowing down more

@@ -32,7 +32,8 @@ What it does not model:
     durations: the cost model's `sharing_scale`, applied in its predictions);
   * other ranks: it follows one representative rank; a gloo collective completing only when the
     slowest rank reaches it (rank skew, uneven per-rank loads as in fastermoe's peer groups) is
-    not simulated;
+    not simulated (the cost model adds a fitted constant wait to each all-to-all instead:
+    `Hardware.skew`);
   * the number of TCP flows on a shaped link (hier2d and leader use fewer, slower flows);
   * bandwidth sharing between all-to-alls in flight on one link: gloo point-to-point batches
     (the inter part of `pipe`) posted back to back partly overlap instead of queueing strictly;
