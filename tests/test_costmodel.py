@@ -9,7 +9,7 @@ import random
 import pytest
 
 from schemoe import ExpertConfig, GateConfig, MoEConfig, ScheduleConfig, cli
-from schemoe.costmodel import hardware, model, prediction, profiles
+from schemoe.costmodel import a2a, hardware, model, prediction, profiles
 from schemoe.costmodel.hardware import Hardware, Link
 from schemoe.scheduling import COMPUTE, TaskGraph, make_schedule, search, simulator
 from schemoe.tuning import choose as tune
@@ -44,9 +44,9 @@ def test_link_time_is_alpha_plus_bytes_over_beta_and_free_when_empty():
 def test_naive_sums_the_link_classes_on_nccl_and_overlaps_them_on_gloo():
     sends = [1e6] * 4  # P = 4, M = 2: one intra peer; the node sends 2 ranks x 2 peers x 1 MB
     t_intra, t_inter = 1e-4 + 1e6 / 1e9, 2e-4 + 4e6 / 1e8
-    assert model.a2a_naive(_hw(backend="gloo"), sends) == pytest.approx(max(t_intra, t_inter))
-    assert model.a2a_naive(_hw(backend="nccl"), sends) == pytest.approx(t_intra + t_inter)
-    assert model.a2a_pipe(_hw(), sends) == pytest.approx({"intra": t_intra, "inter": t_inter})
+    assert a2a.a2a_naive(_hw(backend="gloo"), sends) == pytest.approx(max(t_intra, t_inter))
+    assert a2a.a2a_naive(_hw(backend="nccl"), sends) == pytest.approx(t_intra + t_inter)
+    assert a2a.a2a_pipe(_hw(), sends) == pytest.approx({"intra": t_intra, "inter": t_inter})
 
 
 def test_pairwise_pays_one_step_per_peer_with_the_nic_shared_by_the_local_ranks():
@@ -54,16 +54,16 @@ def test_pairwise_pays_one_step_per_peer_with_the_nic_shared_by_the_local_ranks(
     # P = 4, M = 2, offsets 1..3: o = 1 is intra for l = 0 and inter for l = 1 (k = 1),
     # o = 2 inter for both (k = 2), o = 3 inter for l = 0 only (rank 1 + 3 = rank 0; k = 1).
     want = hw.inter.time(1e6) + hw.inter.time(2e6) + hw.inter.time(1e6)
-    assert model.a2a_pairwise(hw, [1e6] * 4) == pytest.approx(want)
+    assert a2a.a2a_pairwise(hw, [1e6] * 4) == pytest.approx(want)
 
 
 def test_hierarchical_algorithms_add_their_local_phases_to_the_same_nic_bytes():
     hw, sends = _hw(), [1e6] * 4
     nic = hw.inter.time(4e6)
-    assert model.a2a_hier2d(hw, sends) == pytest.approx(
+    assert a2a.a2a_hier2d(hw, sends) == pytest.approx(
         hw.intra.alpha + hw.intra.time(2e6) + 4e6 / hw.memory + nic
     )
-    assert model.a2a_leader(hw, sends) == pytest.approx(
+    assert a2a.a2a_leader(hw, sends) == pytest.approx(
         hw.intra.alpha + 2 * hw.intra.time(4e6) + 2 * 2 * 4e6 / hw.memory + nic
     )
 
@@ -188,7 +188,7 @@ def test_presets_describe_the_paper_cluster_and_an_h100_pod_and_round_trip_json(
     assert (paper.world, paper.backend) == (32, "nccl")
     # PipeMoE's fitted 32-GPU all-to-all: 2.09e-4 s + 3.55e-10 s/B x S.
     S = 64e6
-    t = model.a2a_naive(paper, [S / 32] * 32)
+    t = a2a.a2a_naive(paper, [S / 32] * 32)
     assert t == pytest.approx(2.09e-4 + 3.55e-10 * S, rel=0.02)
     assert hardware.preset("h100-64gpu").world == 64
     for hw in hardware.PRESETS.values():

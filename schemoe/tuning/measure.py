@@ -41,8 +41,9 @@ import torch.distributed as dist
 from .. import compression
 from ..collectives import build
 from ..config import ExpertConfig
+from ..costmodel.a2a import split_bytes
 from ..costmodel.hardware import Hardware, Link
-from ..costmodel.model import LayerShape, expert_flops, split_bytes
+from ..costmodel.model import LayerShape, expert_flops
 from ..costmodel.profiles import fit_gemm, fit_link, fit_rate
 from ..dist.devices import comm_device
 from ..dist.links import Links
