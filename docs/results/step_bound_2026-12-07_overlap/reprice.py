@@ -29,7 +29,8 @@ def rows_of(path):
     return cfg, rows
 
 
-def priced(hw, cfg, rows):
+def predictions(hw, cfg, rows):
+    """(predicted ms, measured ms, plan name) of each row, priced on `hw`."""
     shape, out = shape_of(cfg), []
     for r in rows:
         plan = StepPlan(
@@ -40,7 +41,12 @@ def priced(hw, cfg, rows):
             hw, shape, plan, algorithm=cfg["algorithm"], grad_algorithm=cfg["grad_algorithm"],
             bucket_bytes=float(cfg["bucket_mb"]) * 2**20,
         )  # fmt: skip
-        out.append((pred.step_s * 1e3, float(r["median_ms"])))
+        out.append((pred.step_s * 1e3, float(r["median_ms"]), plan.name))
+    return out
+
+
+def priced(hw, cfg, rows):
+    out = [(p, m) for p, m, _ in predictions(hw, cfg, rows)]
     errors = sorted(abs(p / m - 1) for p, m in out)
     best = min(m for _, m in out)
     return errors[len(errors) // 2], min(out)[1] / best

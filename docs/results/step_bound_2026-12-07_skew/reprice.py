@@ -14,25 +14,13 @@ import sys
 from dataclasses import replace
 
 from schemoe.costmodel.hardware import Hardware
-from schemoe.costmodel.plans import StepPlan, predict_plan
-from schemoe.profile.steps import shape_of
 
 sys.path.insert(0, "docs/results/step_bound_2026-12-07_overlap")
-from reprice import rows_of  # noqa: E402  (its grid reader; its main is guarded)
+from reprice import predictions, rows_of  # noqa: E402  (its readers; its main is guarded)
 
 
 def priced(hw, cfg, rows):
-    shape, out = shape_of(cfg), []
-    for r in rows:
-        plan = StepPlan(
-            r["policy"], int(r["chunks"]), int(r["micro_chunks"]), r["grad_sync"],
-            r["grad_compress"],
-        )  # fmt: skip
-        pred = predict_plan(
-            hw, shape, plan, algorithm=cfg["algorithm"], grad_algorithm=cfg["grad_algorithm"],
-            bucket_bytes=float(cfg["bucket_mb"]) * 2**20,
-        )  # fmt: skip
-        out.append((pred.step_s * 1e3, float(r["median_ms"]), plan.name))
+    out = predictions(hw, cfg, rows)
     errors = sorted(abs(p / m - 1) for p, m, _ in out)
     best = min(m for _, m, _ in out)
     chosen = min(out, key=lambda o: o[0])  # ties: the first row, as bench step's auto
