@@ -33,5 +33,9 @@ for run in RUNS:
             ratios.setdefault((grid, family), []).append(pred / meas)
 print("predicted / measured, median over the rows of each family in runs " + ", ".join(RUNS))
 for grid in sorted({g for g, _ in ratios}):
-    cells = [f"{fam}: {statistics.median(ratios[(g, fam)]):.2f}" for g, fam in sorted(ratios) if g == grid]
+    cells = [
+        f"{fam}: {statistics.median(ratios[(g, fam)]):.2f}"
+        for g, fam in sorted(ratios)
+        if g == grid
+    ]
     print(f"{grid:20s} " + "  ".join(cells))

@@ -55,7 +55,9 @@ def auto(js: dict) -> str:
 
 
 def ceiling() -> None:
-    print("# auto's criterion (within 5% of the best row, in both runs): what one plan per shape can do")
+    print(
+        "# auto's criterion (within 5% of the best row, in both runs): what one plan per shape can do"
+    )
     met = total = 0
     for one, two in PAIRS:
         print(f"\n## {one} / {two}")
@@ -83,8 +85,10 @@ def ceiling() -> None:
                 per_grid.setdefault(grid, []).append(best["bound_ratio"])
     for grid, ratios in sorted(per_grid.items()):
         held = sum(x <= 1.10 for x in ratios)
-        print(f"{grid:32s} {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} runs; "
-              f"<= 1.10x in {held}: " + " ".join(f"{x:.2f}" for x in ratios))
+        print(
+            f"{grid:32s} {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} runs; "
+            f"<= 1.10x in {held}: " + " ".join(f"{x:.2f}" for x in ratios)
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ def rows(path: str) -> dict[str, dict]:
 
 def ab(title: str, prefix: str, base: str, variants: list[str]) -> None:
     print(f"## {title}: median ms / bound ratio, rounds 1 and 2")
-    runs = {(v, n): rows(f"{HERE}/raw/{prefix}_{v}_{n}.txt") for v in [base, *variants] for n in (1, 2)}
+    runs = {
+        (v, n): rows(f"{HERE}/raw/{prefix}_{v}_{n}.txt") for v in [base, *variants] for n in (1, 2)
+    }
     for row in runs[(base, 1)]:
         cells = [f"{v}: " + " ".join(f"{runs[(v, n)][row]['median_ms']:.0f}/"
                                      f"{runs[(v, n)][row]['bound_ratio']:.2f}" for n in (1, 2))
@@ -54,8 +56,13 @@ def micro() -> None:
     for rpn in (1, 2):
         runs = {n: rows(f"{HERE}/raw/m4_200mbit_{rpn}_{n}.txt") for n in (1, 2)}
         for row in runs[1]:
-            print(f"2x{rpn} {row:30s} " + " ".join(
-                f"{runs[n][row]['median_ms']:.0f}/{runs[n][row]['bound_ratio']:.2f}" for n in (1, 2)))
+            print(
+                f"2x{rpn} {row:30s} "
+                + " ".join(
+                    f"{runs[n][row]['median_ms']:.0f}/{runs[n][row]['bound_ratio']:.2f}"
+                    for n in (1, 2)
+                )
+            )
     print()
 
 
@@ -69,8 +76,10 @@ def phases() -> None:
         mine = [e for e in events if e["pid"] == pid]
         t0 = min(e["ts"] for e in mine)
 
-        def span(cat: str, tid: str) -> str:
-            s = [e for e in mine if e["cat"] == cat and (e["tid"] == "compute") == (tid == "compute")]
+        def span(cat: str, tid: str, mine=mine, t0=t0) -> str:
+            s = [
+                e for e in mine if e["cat"] == cat and (e["tid"] == "compute") == (tid == "compute")
+            ]
             a, b = min(e["ts"] for e in s), max(e["ts"] + e["dur"] for e in s)
             return f"{(a - t0) / 1e3:6.1f}-{(b - t0) / 1e3:6.1f} ({len(s)} tasks)"
 
