@@ -260,13 +260,13 @@ def _die_mid_transfer(rank: int, port: int, what: str, results) -> None:
         init_process_group("gloo", TIMEOUT)
         start = _transfer(what, Topology.from_group(None, 2))
         start(torch.ones(64, 8)).wait()  # connections and sub-groups up, every rank alive
-        # 256 MiB per rank: a pair moves 64 MiB each way, tens of ms on loopback (at 64 MiB per
-        # rank a receives-first pair could finish in the 10 ms before the dying rank exits)
+        # 256 MiB per rank: a pair moves 64 MiB each way, tens of ms on loopback. The dying rank
+        # exits as soon as its part is posted: a pair with it cannot have finished by then (with
+        # a 10 ms wait, an intra-node pipe pair still did: rank 2 'completed', 1 CI run in ~10)
         big = torch.ones(16 * 2**18, 16)
         t0 = time.monotonic()
         pending = start(big)
         if rank == DYING:
-            time.sleep(0.01)  # the transfer is under way
             os._exit(3)
         pending.wait()
         results.put((rank, "completed", "", time.monotonic() - t0))
