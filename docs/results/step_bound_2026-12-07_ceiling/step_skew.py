@@ -49,15 +49,6 @@ def step_skew(hw: Hardware, cfg: dict, cal: list[dict]) -> float:
     return (lo + hi) / 2
 
 
-def auto(hw: Hardware, cfg: dict, rows: list[dict]) -> tuple[float, float]:
-    """(auto's row / the best row, median |error|) on `hw`."""
-    priced = reprice.predictions(hw, cfg, rows)
-    best = min(m for _, m, _ in priced)
-    chosen = min(priced, key=lambda x: x[0])[1]
-    errors = sorted(abs(p / m - 1) for p, m, _ in priced)
-    return chosen / best, errors[len(errors) // 2]
-
-
 held = {"profiled": 0, "step-fitted": 0}
 grids = 0
 for path in sorted(glob.glob("docs/results/step_bound_2026-12-0*/step_*_2x?.txt")):
@@ -68,7 +59,10 @@ for path in sorted(glob.glob("docs/results/step_bound_2026-12-0*/step_*_2x?.txt"
     with open(path[:-4] + ".profile.json") as f:
         hw = Hardware.from_json(next(iter(json.load(f).values())))
     skew = step_skew(hw, cfg, cal)
-    (a0, e0), (a1, e1) = auto(hw, cfg, rows), auto(replace(hw, skew=skew), cfg, rows)
+    (e0, a0), (e1, a1) = (
+        reprice.priced(hw, cfg, rows),
+        reprice.priced(replace(hw, skew=skew), cfg, rows),
+    )
     grids += 1
     held["profiled"] += a0 <= 1.05
     held["step-fitted"] += a1 <= 1.05
