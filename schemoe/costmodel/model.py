@@ -4,15 +4,11 @@ Legend: P ranks, R ranks per node (the ScheMoE paper's M), P / R nodes, S bytes 
 one all-to-all, E experts, El = E / P, C capacity rows per expert per rank, M model dim, H hidden
 dim, b bytes per element.
 
-An all-to-all is described by `sends`: sends[o] bytes go from every rank r to rank (r + o) % P
-(the same on every rank; o = 0 is the rank's own rows, a local copy). The capacity partition
-sends S/P to every offset; FasterMoE's peers partition sends to a group of offsets per chunk.
-Node-major ranks: rank q = n * R + l talks to its node when (l + o) % P < R (counted on node 0,
-the same on every node by symmetry).
-
-The all-to-all algorithms' link times are in a2a.py. `CostModel` binds the constants, the
-shape, the algorithm and the compressors, and turns any
-`TaskGraph` of the layer into task durations (`TaskCosts`) for `simulator.run` and the policies.
+An all-to-all is described by `sends` (a2a.py says how, and prices each algorithm on it): the
+capacity partition sends S/P to every offset; FasterMoE's peers partition sends to a group of
+offsets per chunk. `CostModel` binds the constants, the shape, the algorithm and the
+compressors, and turns any `TaskGraph` of the layer into task durations (`TaskCosts`) for
+`simulator.run` and the policies.
 """
 
 from __future__ import annotations
