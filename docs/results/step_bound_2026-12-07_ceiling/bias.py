@@ -6,18 +6,14 @@ over runs and rows of predicted / measured for r = 1, 4 and m = 1, 2 (below 1: p
 """
 
 import glob
-import importlib.util
 import json
 import statistics
+import sys
 
 from schemoe.costmodel.hardware import Hardware
 
-# The grid reader and pricing loop of the overlap runs' reprice.py (its main is guarded).
-_spec = importlib.util.spec_from_file_location(
-    "overlap_reprice", "docs/results/step_bound_2026-12-07_overlap/reprice.py"
-)
-reprice = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reprice)
+sys.path.insert(0, "docs/results/step_bound_2026-12-07_overlap")
+import reprice  # its grid reader and pricing loop (its main is guarded)
 
 RUNS = ("skew", "lead", "lead_run2")
 

@@ -10,17 +10,15 @@ Per delta: grids whose choice is within 5% of the best row, and the median choic
 """
 
 import glob
-import importlib.util
 import json
 import os
+import sys
 
 from schemoe.costmodel.hardware import Hardware
 
-_spec = importlib.util.spec_from_file_location(
-    "overlap_reprice", "docs/results/step_bound_2026-12-07_overlap/reprice.py"
-)
-reprice = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reprice)
+sys.path.insert(0, "docs/results/step_bound_2026-12-07_overlap")
+import reprice  # its grid reader and pricing loop (its main is guarded)
+
 DELTAS = (0.0, 0.05, 0.08, 0.10, 0.12, 0.15, 0.20)
 TEST = ("_skew", "_lead", "_lead_run2")
 
